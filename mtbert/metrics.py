@@ -1,0 +1,72 @@
+"""Metrics: accuracy, precision/recall/F1, Pearson r, the SST confusion matrix, overall.
+
+overall = (SST acc + QQP acc + (STS r + 1) / 2) / 3  (the CS 224N leaderboard).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+
+def overall_score(sst_acc: float, qqp_acc: float, sts_corr: float) -> float:
+    return (sst_acc + qqp_acc + (sts_corr + 1.0) / 2.0) / 3.0
+
+
+def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
+    return float(np.mean(np.asarray(pred) == np.asarray(gold))) if len(gold) else float("nan")
+
+
+def confusion_matrix(pred: np.ndarray, gold: np.ndarray, num_classes: int) -> np.ndarray:
+    """``m[i, j]`` = rows of gold class i predicted as class j."""
+    m = np.zeros((num_classes, num_classes), dtype=np.int64)
+    np.add.at(m, (np.asarray(gold, dtype=np.int64), np.asarray(pred, dtype=np.int64)), 1)
+    return m
+
+
+def precision_recall_f1(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class precision, recall and F1 from a confusion matrix (0 where undefined)."""
+    tp = np.diag(confusion).astype(np.float64)
+    predicted = confusion.sum(0).astype(np.float64)
+    actual = confusion.sum(1).astype(np.float64)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    return precision, recall, f1
+
+
+def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
+    pred, gold = np.asarray(pred, dtype=np.float64), np.asarray(gold, dtype=np.float64)
+    if len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0:
+        return 0.0  # undefined correlation (constant predictions) scores as no correlation
+    return float(stats.pearsonr(pred, gold).statistic)
+
+
+def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, object]:
+    """Metrics of one task; ``pred`` is SST class, QQP 0/1 class, STS score."""
+    if task == "sst":
+        cm = confusion_matrix(pred, gold, 5)
+        p, r, f1 = precision_recall_f1(cm)
+        return {"sst_acc": accuracy(pred, gold), "sst_precision_macro": float(p.mean()),
+                "sst_recall_macro": float(r.mean()), "sst_f1_macro": float(f1.mean()),
+                "sst_confusion": cm.tolist()}
+    if task == "qqp":
+        cm = confusion_matrix(pred, gold, 2)
+        p, r, f1 = precision_recall_f1(cm)
+        return {"qqp_acc": accuracy(pred, gold), "qqp_precision": float(p[1]),
+                "qqp_recall": float(r[1]), "qqp_f1": float(f1[1])}
+    return {"sts_corr": pearson(pred, gold),
+            "sts_spearman": float(stats.spearmanr(pred, gold).statistic) if len(gold) > 1 else 0.0,
+            "sts_mse": float(np.mean((np.asarray(pred) - np.asarray(gold)) ** 2))}
+
+
+def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[str, object]:
+    """Prefix each task's metrics (``val/sst_acc``) and add ``<prefix>/overall``."""
+    out: dict[str, object] = {}
+    for metrics in per_task.values():
+        out.update({f"{prefix}/{k}": v for k, v in metrics.items()})
+    if all(k in out for k in (f"{prefix}/sst_acc", f"{prefix}/qqp_acc", f"{prefix}/sts_corr")):
+        out[f"{prefix}/overall"] = overall_score(out[f"{prefix}/sst_acc"], out[f"{prefix}/qqp_acc"],
+                                                 out[f"{prefix}/sts_corr"])
+    return out

@@ -1,0 +1,54 @@
+"""Prediction files: Parquet (id, prediction, label) and CS 224N-style CSVs."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mtbert.tasks import TASKS
+
+
+def write_predictions(folder: Path, split_name: str, splits: dict, predictions: dict[str, np.ndarray]) -> None:
+    """For each task: ``{split}-{task}.parquet`` and ``{task}-{split}-output.csv``.
+
+    QQP's Parquet holds the duplicate probability and the 0/1 class; its CSV the class.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, pred in predictions.items():
+        split = splits[task]
+        columns = {"id": pa.array(split.ids)}
+        if task == "qqp":
+            columns["probability"] = pa.array(pred.astype(np.float64))
+            label = (pred >= 0.5).astype(np.int64)
+        else:
+            label = pred
+        columns["prediction"] = pa.array(label)
+        if split.labels is not None:
+            columns["label"] = pa.array(split.labels)
+        _atomic(folder / f"{split_name}-{task}.parquet",
+                lambda tmp, cols=columns: pq.write_table(pa.table(cols), tmp))
+        _atomic(folder / f"{task}-{split_name}-output.csv",
+                lambda tmp, ids=split.ids, values=label, t=task: write_cs224n_csv(tmp, t, ids, values))
+
+
+def write_cs224n_csv(path: str | Path, task: str, ids: list[str], values: np.ndarray) -> None:
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["id", TASKS[task].prediction_column])
+        for row_id, value in zip(ids, values):
+            writer.writerow([row_id, f"{value:.4f}" if task == "sts" else int(value)])
+
+
+def read_predictions(folder: str | Path, split_name: str, task: str) -> pa.Table:
+    return pq.read_table(Path(folder) / f"{split_name}-{task}.parquet")
+
+
+def _atomic(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.tmp")
+    write(tmp)
+    os.replace(tmp, target)
