@@ -1,0 +1,175 @@
+"""Data: validation errors name file + line, the split, the Parquet cache, batching."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtbert.config import TrainConfig
+from mtbert.data import (TaskBatcher, carve_validation, collate, load_data, read_task_file)
+from mtbert.errors import DataError
+from mtbert.tasks import TASKS
+
+SST_HEADER = "\tid\tsentence\tsentiment\n"
+QQP_HEADER = "\tid\tsentence1\tsentence2\tis_duplicate\n"
+STS_HEADER = "\tid\tsentence1\tsentence2\tsimilarity\n"
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "f.csv") -> Path:
+    path = tmp_path / name
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    return path
+
+
+@pytest.mark.parametrize("task,body,line,fragment", [
+    ("sst", SST_HEADER + "0\ta\tgood film\t3\n1\tb\tbad film\t7\n", 3, "sentiment='7'"),
+    ("sst", SST_HEADER + "0\ta\tgood film\t2.5\n", 2, "integer 0..4"),
+    ("sst", SST_HEADER + "0\ta\tgood film\tgreat\n", 2, "sentiment='great'"),
+    ("sst", SST_HEADER + "0\ta\t   \t3\n", 2, "empty or missing 'sentence'"),
+    ("sst", SST_HEADER + "0\ta\n", 2, "empty or missing 'sentence'"),
+    ("sst", SST_HEADER + "0\t\tgood film\t3\n", 2, "empty id"),
+    ("qqp", QQP_HEADER + "0\ta\tq1?\tq2?\t1.0\n1\tb\tq1?\tq2?\t2\n", 3, "0 or 1"),
+    ("qqp", QQP_HEADER + "0\ta\tq1?\t\t1.0\n", 2, "empty or missing 'sentence2'"),
+    ("sts", STS_HEADER + "0\ta\ts1\ts2\t5.5\n", 2, "number in 0..5"),
+    ("sts", STS_HEADER + "0\ta\ts1\ts2\tnan\n", 2, "number in 0..5"),
+])
+def test_bad_rows_name_file_line_and_expectation(tmp_path, task, body, line, fragment):
+    path = write(tmp_path, body)
+    with pytest.raises(DataError) as err:
+        read_task_file(path, TASKS[task], labelled=True)
+    message = str(err.value)
+    assert str(path) in message and f"line {line}" in message and fragment in message
+    assert err.value.line == line
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"", "file is empty"),
+    (b"\tid\tsentence\tsentiment\n0\ta\tcaf\xe9\t3\n", "line 2: not valid UTF-8"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary data"),
+    (b",id,sentence,sentiment\n0,a,good film,3\n", "is the file tab-separated?"),
+    (b"\tid\tsentence\n0\ta\tgood film\n", "missing column 'sentiment'"),
+    (b"\tid\tsentence\tsentiment\n", "no data rows"),
+])
+def test_bad_files(tmp_path, content, fragment):
+    path = write(tmp_path, content)
+    with pytest.raises(DataError, match=fragment) as err:
+        read_task_file(path, TASKS["sst"], labelled=True)
+    assert str(path) in str(err.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"missing\.csv: file not found"):
+        read_task_file(tmp_path / "missing.csv", TASKS["sst"], labelled=True)
+
+
+def test_quoted_fields_and_test_student_header(tmp_path):
+    body = QQP_HEADER + '0\ta\t"""Why ""this""?"""\tplain\t0.0\n'
+    table = read_task_file(write(tmp_path, body), TASKS["qqp"], labelled=True)
+    assert table.texts[0] == ['"Why "this"?"'] and table.labels.tolist() == [0]
+    test_body = "0\t\tid\tsentence\n1\t0.0\tx1\t Effective but too-tepid biopic\n"
+    test = read_task_file(write(tmp_path, test_body, "t.csv"), TASKS["sst"], labelled=False)
+    assert test.ids == ["x1"] and test.texts[0] == ["Effective but too-tepid biopic"]
+    assert test.labels is None
+
+
+def test_bad_row_tolerance_skips_few_and_fails_many(tmp_path):
+    good = "".join(f"{i}\tid{i}\tq{i}?\tp{i}?\t1.0\n" for i in range(2000))
+    one_bad = write(tmp_path, QQP_HEADER + good + "x\tbad\tq?\t\t\n", "one.csv")
+    table = read_task_file(one_bad, TASKS["qqp"], labelled=True, bad_row_tolerance=0.001)
+    assert len(table.ids) == 2000  # 1 bad row of 2001 <= 0.1 %: skipped
+    with pytest.raises(DataError, match="line 2002"):
+        read_task_file(one_bad, TASKS["qqp"], labelled=True, bad_row_tolerance=0.0)
+    many = "".join(f"x{i}\tbad{i}\tq?\t\t\n" for i in range(5))
+    with pytest.raises(DataError, match=r"\(4 more bad rows\)"):
+        read_task_file(write(tmp_path, QQP_HEADER + good + many, "many.csv"), TASKS["qqp"],
+                       labelled=True, bad_row_tolerance=0.001)
+
+
+def test_validation_split_is_seeded_disjoint_and_sized():
+    train, val = carve_validation(1000, 0.1, seed=3)
+    assert len(val) == 100 and len(train) == 900
+    assert not set(train) & set(val) and set(train) | set(val) == set(range(1000))
+    again_train, again_val = carve_validation(1000, 0.1, seed=3)
+    assert np.array_equal(val, again_val)
+    assert not np.array_equal(val, carve_validation(1000, 0.1, seed=4)[1])
+
+
+def test_load_data_splits_and_cache_hits(tiny_model_dir, tiny_data_dir, tmp_path):
+    cfg = TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, cache_dir=str(tmp_path),
+                      max_length=32, val_fraction=0.2)
+    first = load_data(cfg)
+    assert first.cache.hits == 0 and first.cache.misses == 8
+    second = load_data(cfg)
+    assert second.cache.hits == 8 and second.cache.misses == 0
+    for task in ("sst", "qqp", "sts"):
+        train, val = second.split(task, "train"), second.split(task, "val")
+        assert len(train) == 48 and len(val) == 12 and not set(train.ids) & set(val.ids)
+        assert np.array_equal(first.split(task, "train").tokens.a.values, train.tokens.a.values)
+    assert second.split("qqp", "test") is None and second.split("sst", "test").labels is None
+    # a changed file (new checksum) is re-tokenised; the others still hit
+    data_copy = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data_copy)
+    with open(data_copy / "sts-dev.csv", "a") as fh:
+        fh.write("99\tnew99\tA new sentence.\tAnother one.\t2.0\n")
+    third = load_data(cfg.replace(data_dir=str(data_copy)))
+    assert third.cache.misses == 1 and third.cache.hits == 7
+
+
+def test_cross_encoding_is_cls_a_sep_b_sep(tiny_model_dir, tiny_data_dir, tmp_path):
+    from transformers import AutoTokenizer
+    cfg = TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, cache_dir=str(tmp_path))
+    split = load_data(cfg).split("sts", "dev")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pair, types = split.tokens.pair[0], split.tokens.pair_types[0]
+    a, b = split.tokens.a[0], split.tokens.b[0]
+    assert pair.tolist() == a.tolist() + b[1:].tolist()  # [CLS] a [SEP] + b [SEP]
+    assert pair[0] == tok.cls_token_id and (pair == tok.sep_token_id).sum() == 2
+    assert types.tolist() == [0] * len(a) + [1] * (len(b) - 1)
+
+
+def test_batcher_covers_each_row_once_per_pass_and_buckets_reduce_padding(tiny_model_dir, tmp_path):
+    from mtbert.data import Ragged, Split, TokenTable
+    rng = np.random.default_rng(0)
+    rows = [list(range(int(n))) for n in rng.integers(3, 60, size=1000)]
+    split = Split("sst", "train", [str(i) for i in range(1000)], np.zeros(1000, dtype=np.int64),
+                  TokenTable(a=Ragged.from_lists(rows)))
+    lengths = split.lengths("single")
+
+    def padding(bucketing: bool) -> tuple[int, list[np.ndarray]]:
+        batcher = TaskBatcher(split, 32, "single", seed=1, bucketing=bucketing, bucket_batches=10)
+        batches = [batcher.next_batch() for _ in range(batcher.num_batches)]
+        pad = sum(int(lengths[b].max() * len(b) - lengths[b].sum()) for b in batches)
+        return pad, batches
+
+    pad_plain, plain = padding(False)
+    pad_bucketed, bucketed = padding(True)
+    for batches in (plain, bucketed):
+        assert sorted(np.concatenate(batches).tolist()) == list(range(1000))
+    assert pad_bucketed < 0.3 * pad_plain
+    # passes are deterministic in (seed, task, pass) and the state resumes the stream
+    batcher = TaskBatcher(split, 32, "single", seed=1)
+    for _ in range(40):
+        batcher.next_batch()
+    state = batcher.state_dict()
+    expected = [batcher.next_batch().tolist() for _ in range(5)]
+    resumed = TaskBatcher(split, 32, "single", seed=1)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch().tolist() for _ in range(5)] == expected
+
+
+def test_collate_pads_to_longest_row(tiny_model_dir, tiny_data_dir, tmp_path):
+    cfg = TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, cache_dir=str(tmp_path))
+    data = load_data(cfg)
+    split = data.split("qqp", "train")
+    idx = np.array([0, 1, 2])
+    cross = collate(split, idx, "cross", data.pad_id)
+    longest = max(len(split.tokens.pair[i]) for i in idx)
+    assert cross["input_ids"].shape == (3, longest) == cross["token_type_ids"].shape
+    assert cross["attention_mask"].sum().item() == sum(len(split.tokens.pair[i]) for i in idx)
+    siamese = collate(split, idx, "siamese", data.pad_id)
+    assert set(siamese) == {"input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b",
+                            "labels"}
+    assert siamese["labels"].tolist() == split.labels[idx].tolist()

@@ -1,0 +1,149 @@
+"""The training loop on a tiny random BERT: loss falls, metrics are right, resume is exact,
+the CLI writes its files and refuses bad input with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mtbert.data import load_data
+from mtbert.metrics import overall_score, pearson
+from mtbert.trainer import Trainer, load_checkpoint_model
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_training_loss_falls(tiny_config, tmp_path):
+    cfg = tiny_config(epochs=12, lr=3e-3, eval_dev=False, schedule="round_robin", update="summed")
+    trainer = Trainer(cfg, load_data(cfg), tmp_path)
+    trainer.fit()
+    first, last = trainer.history[0], trainer.history[-1]
+    # SST (5 classes, sentiment words) and STS (topic overlap) are learnable by a tiny random
+    # BERT in 72 steps; QQP's topic matching needs more and is not asserted here.
+    for task in ("sst", "sts"):
+        assert last[f"train/loss_{task}"] < 0.8 * first[f"train/loss_{task}"], task
+    assert last["val/overall"] > first["val/overall"]
+    assert len(trainer.history) == 12 and last["examples_seen"] == 12 * 3 * 54  # 60 rows - 6 val
+
+
+def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
+    cfg = tiny_config(epochs=2)
+    trainer = Trainer(cfg, load_data(cfg), tmp_path)
+    metrics = trainer.fit()
+    pred = tmp_path / "predictions"
+    for split in ("val", "dev"):
+        sst = pq.read_table(pred / f"{split}-sst.parquet").to_pandas()
+        qqp = pq.read_table(pred / f"{split}-qqp.parquet").to_pandas()
+        sts = pq.read_table(pred / f"{split}-sts.parquet").to_pandas()
+        sst_acc = float((sst.prediction == sst.label).mean())
+        qqp_acc = float((qqp.prediction == qqp.label).mean())
+        assert (qqp.prediction == (qqp.probability >= 0.5)).all()
+        sts_r = pearson(sts.prediction.to_numpy(), sts.label.to_numpy())
+        assert metrics[f"{split}/sst_acc"] == pytest.approx(sst_acc)
+        assert metrics[f"{split}/qqp_acc"] == pytest.approx(qqp_acc)
+        assert metrics[f"{split}/sts_corr"] == pytest.approx(sts_r)
+        assert metrics[f"{split}/overall"] == pytest.approx(overall_score(sst_acc, qqp_acc, sts_r))
+        assert np.array(metrics[f"{split}/sst_confusion"]).sum() == len(sst)
+    csv_lines = (pred / "sst-test-output.csv").read_text().splitlines()
+    assert csv_lines[0] == "id,Predicted_Sentiment" and len(csv_lines) == 1 + 20
+    assert (pred / "sts-test-output.csv").read_text().startswith("id,Predicted_Similarity")
+    assert not (pred / "qqp-test-output.csv").exists()  # there is no QQP test-student file
+    # the checkpoint reloads to the same predictions
+    cfg_back, model = load_checkpoint_model(tmp_path / "checkpoint")
+    assert cfg_back == cfg
+    trainer.model = model
+    assert trainer.evaluate("val")["val/overall"] == pytest.approx(metrics["val/overall"])
+
+
+@pytest.mark.parametrize("schedule,update", [("random_order", "per_task"), ("sqrt", "summed")])
+def test_resume_from_checkpoint_is_exact(tiny_config, tmp_path, schedule, update):
+    cfg = tiny_config(epochs=2, eval_every=40, max_examples=200, schedule=schedule, update=update,
+                      dropout=0.2, eval_dev=False)
+    data = load_data(cfg)
+    straight_reports = []
+    Trainer(cfg, data, tmp_path / "a",
+            report=lambda m, d: straight_reports.append(m["val/overall"])).fit()
+    # interrupt: a run that stops after its first evaluation (its checkpoint is kept)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(metrics, checkpoint_dir):
+        raise Stop
+
+    with pytest.raises(Stop):
+        Trainer(cfg, data, tmp_path / "b", report=stop_after_first).fit()
+    resumed_reports = []
+    resumed = Trainer(cfg, data, tmp_path / "b", resume_from=tmp_path / "b" / "checkpoint",
+                      report=lambda m, d: resumed_reports.append(m["val/overall"]))
+    assert resumed.examples_seen >= 40
+    final = resumed.fit()
+    assert resumed_reports == straight_reports[1:]  # bit-identical on CPU
+    straight_final = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert final["val/overall"] == straight_final["val/overall"]
+    assert final["examples_seen"] == straight_final["examples_seen"]
+
+
+def test_non_finite_loss_stops_with_a_clear_reason(tiny_config, tmp_path):
+    from mtbert.trainer import NonFiniteLossError
+    cfg = tiny_config(epochs=1, eval_dev=False, schedule="sequential")
+    trainer = Trainer(cfg, load_data(cfg), tmp_path)
+    with __import__("torch").no_grad():
+        trainer.model.qqp_out.bias.fill_(float("inf"))  # a diverged QQP head
+    with pytest.raises(NonFiniteLossError, match=r"qqp loss became (nan|inf) at \d+ examples"):
+        trainer.fit()
+    assert trainer.examples_seen > 0  # SST (first in the sequence) trained before QQP failed
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mtbert.train", *args], capture_output=True,
+                          text=True, cwd=cwd or REPO_ROOT, timeout=300)
+
+
+def test_cli_writes_the_contracted_files(tiny_model_dir, tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("--data-dir", tiny_data_dir, "--out", str(out), "--set", f"model={tiny_model_dir}",
+                     "--set", "epochs=1", "--set", "max_length=32", "--set", "batch_size=16")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    for prefix in ("val", "dev"):
+        for key in ("sst_acc", "qqp_acc", "sts_corr", "overall", "sst_f1_macro", "qqp_f1"):
+            assert f"{prefix}/{key}" in metrics
+    assert "batch_size: 16" in (out / "config.yaml").read_text()
+    assert (out / "checkpoint" / "state.pt").is_file()
+    assert (out / "predictions" / "sst-val-output.csv").is_file()
+    assert "[mtbert] eval @" in result.stderr  # progress is shown
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["--set", "learning_rate=0.1"], "unknown config key 'learning_rate'"),
+    (["--set", "dropout=2"], "dropout=2"),
+    (["--set", "model=/no/such/model"], "no such model folder"),
+    (["--config", "/no/such.yaml"], "cannot read config file"),
+])
+def test_cli_bad_input_exits_2_and_writes_nothing(tiny_model_dir, tiny_data_dir, tmp_path, extra, fragment):
+    out = tmp_path / "run"
+    result = run_cli("--data-dir", tiny_data_dir, "--out", str(out), "--set",
+                     f"model={tiny_model_dir}", *extra)
+    assert result.returncode == 2
+    assert fragment in result.stderr and result.stderr.count("error:") == 1
+    assert not out.exists()
+
+
+def test_cli_bad_data_file_exits_2_naming_file_and_line(tiny_model_dir, tiny_data_dir, tmp_path):
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    lines = (data / "sts-train.csv").read_text().splitlines()
+    lines[5] = lines[5].rsplit("\t", 1)[0] + "\t7.5"
+    (data / "sts-train.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    result = run_cli("--data-dir", str(data), "--out", str(out), "--set", f"model={tiny_model_dir}")
+    assert result.returncode == 2
+    assert f"{data / 'sts-train.csv'}, line 6: similarity='7.5'" in result.stderr
+    assert not out.exists()
