@@ -56,8 +56,9 @@ def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, obj
         p, r, f1 = precision_recall_f1(cm)
         return {"qqp_acc": accuracy(pred, gold), "qqp_precision": float(p[1]),
                 "qqp_recall": float(r[1]), "qqp_f1": float(f1[1])}
+    constant = len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0
     return {"sts_corr": pearson(pred, gold),
-            "sts_spearman": float(stats.spearmanr(pred, gold).statistic) if len(gold) > 1 else 0.0,
+            "sts_spearman": 0.0 if constant else float(stats.spearmanr(pred, gold).statistic),
             "sts_mse": float(np.mean((np.asarray(pred) - np.asarray(gold)) ** 2))}
 
 
