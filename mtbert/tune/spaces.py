@@ -1,0 +1,334 @@
+"""Search spaces: YAML files of TrainConfig keys and distributions, validated up front.
+
+A space file (``search_spaces/NAME.yaml``)::
+
+    description: one line shown by --list-spaces
+    params:
+      lr:          {loguniform: [1.0e-5, 2.0e-4]}   # log-uniform float in [low, high]
+      dropout:     {uniform: [0.05, 0.4]}           # uniform float in [low, high]
+      smart_steps: {randint: [1, 3]}                # integer in [low, high], both included
+      batch_size:  {choice: [8, 16, 32]}            # one of the listed values
+      pcgrad:      true                             # fixed value (or {fixed: true})
+
+Every key must be a :class:`~mtbert.config.TrainConfig` field that a trial may change:
+the data-shaping fields (model, data folder, max length, slices, validation split,
+cache) are fixed per search because the driver tokenises the data once and shares
+it through Ray's object store, and the run-length fields belong to ``--budget``.
+Values and bounds are checked against the field's type and valid range, and each
+searched value is checked together with the space's fixed values (e.g.
+``pcgrad: true`` needs ``update: summed``).  Any problem is one
+:class:`SpaceError` naming the file and the key, raised before anything starts.
+
+:meth:`SearchSpace.param_space` maps to Ray Tune domains (``tune.choice``,
+``tune.uniform``, ``tune.loguniform``, ``tune.randint``; Ray's OptunaSearch turns them
+into Optuna distributions); :meth:`SearchSpace.optuna_distributions` gives the same
+space as Optuna distributions directly (for the importance report).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtbert.config import TrainConfig, coerce_value, field_kind, field_range
+from mtbert.errors import ConfigError
+
+#: fields that shape the tokenised data: one value per search (set by the driver)
+DATA_FIELDS = {
+    "model": "--model", "data_dir": "--data-dir", "cache_dir": "$MTBERT_CACHE",
+    "max_length": "the driver (data is tokenised once per search)",
+    "max_train_per_task": "--budget", "max_eval_per_task": "--budget",
+    "val_fraction": "the driver (the validation split is fixed per search)",
+    "split_seed": "the driver (the validation split is fixed per search)",
+    "bad_row_tolerance": "the driver (data is read once per search)",
+}
+#: fields that the budget or the driver owns
+RUN_FIELDS = {
+    "epochs": "--budget", "max_examples": "--budget", "eval_every": "--budget",
+    "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
+    "threads": "--cpus-per-trial", "progress": "the driver",
+}
+DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "fixed")
+SPACE_KEYS = ("description", "params")
+
+_FORMAT_HINT = ("expected a fixed value or one of {choice: [a, b, ...]}, {uniform: [low, high]}, "
+                "{loguniform: [low, high]}, {randint: [low, high]}, {fixed: value}")
+
+
+class SpaceError(ConfigError):
+    """A bad search-space file; the message names the file and the key."""
+
+
+def default_spaces_dir() -> Path:
+    """``search_spaces/`` beside the package (the repository root), else ./search_spaces."""
+    here = Path(__file__).resolve().parents[2] / "search_spaces"
+    return here if here.is_dir() else Path("search_spaces").resolve()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One key of a space: a fixed value or a distribution."""
+    key: str
+    dist: str                       # choice | uniform | loguniform | randint | fixed
+    value: Any = None               # fixed
+    choices: tuple = ()             # choice
+    low: float | int | None = None  # uniform / loguniform / randint (inclusive)
+    high: float | int | None = None
+
+    @property
+    def searched(self) -> bool:
+        return self.dist != "fixed"
+
+    def describe(self) -> str:
+        if self.dist == "fixed":
+            return f"{self.value!r}"
+        if self.dist == "choice":
+            return "choice " + ", ".join(map(repr, self.choices))
+        return f"{self.dist} [{self.low:g}, {self.high:g}]"
+
+    def to_tune(self):
+        """The Ray Tune domain (or the constant)."""
+        from ray import tune
+        if self.dist == "fixed":
+            return self.value
+        if self.dist == "choice":
+            return tune.choice(list(self.choices))
+        if self.dist == "uniform":
+            return tune.uniform(self.low, self.high)
+        if self.dist == "loguniform":
+            return tune.loguniform(self.low, self.high)
+        return tune.randint(self.low, self.high + 1)  # Ray's upper bound is exclusive
+
+    def to_optuna(self):
+        """The Optuna distribution (None for a fixed value)."""
+        from optuna.distributions import (CategoricalDistribution, FloatDistribution,
+                                          IntDistribution)
+        if self.dist == "fixed":
+            return None
+        if self.dist == "choice":
+            return CategoricalDistribution(list(self.choices))
+        if self.dist == "randint":
+            return IntDistribution(int(self.low), int(self.high))
+        return FloatDistribution(float(self.low), float(self.high), log=self.dist == "loguniform")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    name: str
+    path: str
+    description: str
+    params: dict[str, Param] = field(default_factory=dict)
+
+    @property
+    def searched(self) -> dict[str, Param]:
+        return {k: p for k, p in self.params.items() if p.searched}
+
+    @property
+    def fixed(self) -> dict[str, Any]:
+        return {k: p.value for k, p in self.params.items() if not p.searched}
+
+    def param_space(self) -> dict[str, Any]:
+        """Ray Tune ``param_space``: domains for searched keys, constants for fixed ones."""
+        return {k: p.to_tune() for k, p in self.params.items()}
+
+    def optuna_distributions(self) -> dict[str, Any]:
+        return {k: p.to_optuna() for k, p in self.searched.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, p in self.params.items():
+            if p.dist == "fixed":
+                out[k] = p.value
+            elif p.dist == "choice":
+                out[k] = {"choice": list(p.choices)}
+            else:
+                out[k] = {p.dist: [p.low, p.high]}
+        return {"description": self.description, "params": out}
+
+
+# ---------------------------------------------------------------------- loading
+def resolve_space_path(name: str, spaces_dir: str | Path | None = None) -> Path:
+    """``--space`` value -> file: a path (has a '/' or ends in .yaml/.yml) or a name."""
+    if "/" in name or name.endswith((".yaml", ".yml")):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SpaceError(f"--space {name}: no such file")
+        return path
+    folder = Path(spaces_dir) if spaces_dir else default_spaces_dir()
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(available_spaces(folder)) or "none"
+        raise SpaceError(f"--space {name}: unknown search space (no {path}); known spaces: {known}")
+    return path
+
+
+def available_spaces(spaces_dir: str | Path | None = None) -> list[str]:
+    folder = Path(spaces_dir) if spaces_dir else default_spaces_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_space(name_or_path: str, spaces_dir: str | Path | None = None) -> SearchSpace:
+    """Load and validate one space; raises :class:`SpaceError` naming the file and key."""
+    path = resolve_space_path(name_or_path, spaces_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpaceError(f"{path}: cannot read search space ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpaceError(f"{path}: not a UTF-8 text file") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpaceError(f"{path}: invalid YAML: {exc}") from None
+    return parse_space(doc, path)
+
+
+def parse_space(doc: Any, path: str | Path) -> SearchSpace:
+    path = Path(path)
+    if not isinstance(doc, dict):
+        raise SpaceError(f"{path}: expected a mapping with keys 'description' and 'params', "
+                         f"got {type(doc).__name__}")
+    unknown = [k for k in doc if k not in SPACE_KEYS]
+    if unknown:
+        raise SpaceError(f"{path}: {unknown[0]}: unknown top-level key (expected "
+                         f"'description' and 'params'; trainer keys go under 'params')")
+    description = doc.get("description")
+    if not isinstance(description, str) or not description.strip():
+        raise SpaceError(f"{path}: description: expected a one-line text")
+    raw_params = doc.get("params")
+    if not isinstance(raw_params, dict) or not raw_params:
+        raise SpaceError(f"{path}: params: expected a non-empty mapping of trainer config keys")
+    params = {}
+    for key, spec in raw_params.items():
+        params[str(key)] = _parse_param(path, str(key), spec)
+    space = SearchSpace(path.stem, str(path), description.strip().splitlines()[0], params)
+    _check_combinations(path, space)
+    return space
+
+
+def _parse_param(path: Path, key: str, spec: Any) -> Param:
+    where = f"{path}: {key}"
+    if key not in TrainConfig.field_names():
+        raise SpaceError(f"{where}: unknown trainer config key (see mtbert/config.py)", key=key)
+    if key in DATA_FIELDS:
+        raise SpaceError(f"{where}: cannot be searched: it shapes the tokenised data, which is "
+                         f"fixed per search (set it with {DATA_FIELDS[key]})", key=key)
+    if key in RUN_FIELDS:
+        raise SpaceError(f"{where}: cannot be searched: it is set by {RUN_FIELDS[key]}", key=key)
+    if not isinstance(spec, dict):
+        if isinstance(spec, list):
+            raise SpaceError(f"{where}: a bare list is ambiguous; {_FORMAT_HINT}", key=key)
+        return Param(key, "fixed", value=_value(where, key, spec))
+    if len(spec) != 1 or next(iter(spec)) not in DISTRIBUTIONS:
+        raise SpaceError(f"{where}: invalid distribution {spec!r}; {_FORMAT_HINT}", key=key)
+    dist, arg = next(iter(spec.items()))
+    kind = field_kind(key)
+    if dist == "fixed":
+        return Param(key, "fixed", value=_value(where, key, arg))
+    if dist == "choice":
+        if not isinstance(arg, list) or not arg:
+            raise SpaceError(f"{where}: choice needs a non-empty list of values", key=key)
+        values = tuple(_value(where, key, v) for v in arg)
+        if len(set(values)) != len(values):
+            raise SpaceError(f"{where}: choice lists a value twice: {list(arg)}", key=key)
+        return Param(key, "choice", choices=values)
+    # numeric ranges
+    if not isinstance(arg, list) or len(arg) != 2:
+        raise SpaceError(f"{where}: {dist} needs [low, high], got {arg!r}", key=key)
+    if dist in ("uniform", "loguniform") and kind != "float":
+        raise SpaceError(f"{where}: {dist} needs a float field, {key} is {_kind_name(key)}"
+                         + (" (use randint or choice)" if kind == "int" else " (use choice)"),
+                         key=key)
+    if dist == "randint" and kind != "int":
+        raise SpaceError(f"{where}: randint needs an integer field, {key} is {_kind_name(key)}",
+                         key=key)
+    low, high = (_number(where, dist, b, integer=dist == "randint") for b in arg)
+    if dist == "randint" and low > high:
+        raise SpaceError(f"{where}: randint needs low <= high, got [{low}, {high}]", key=key)
+    if dist != "randint" and not low < high:
+        raise SpaceError(f"{where}: {dist} needs low < high, got [{low:g}, {high:g}]", key=key)
+    if dist == "loguniform" and low <= 0:
+        raise SpaceError(f"{where}: loguniform needs low > 0, got {low:g}", key=key)
+    f_low, f_high, low_open = field_range(key)
+    if f_low is not None and (low < f_low or (low_open and low == f_low)):
+        rel = ">" if low_open else ">="
+        raise SpaceError(f"{where}: {dist} bound {low:g} is outside the valid range of {key} "
+                         f"(must be {rel} {f_low:g})", key=key)
+    if f_high is not None and high > f_high:
+        raise SpaceError(f"{where}: {dist} bound {high:g} is outside the valid range of {key} "
+                         f"(must be <= {f_high:g})", key=key)
+    return Param(key, dist, low=low, high=high)
+
+
+def _kind_name(key: str) -> str:
+    return {"choice": "a choice field", "bool": "a bool", "int": "an integer",
+            "float": "a float", "str": "a text field"}[field_kind(key)]
+
+
+def _number(where: str, dist: str, value: Any, integer: bool) -> float | int:
+    if isinstance(value, bool):
+        raise SpaceError(f"{where}: {dist} bound {value!r} is not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise SpaceError(f"{where}: {dist} bound {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise SpaceError(f"{where}: {dist} bound {value!r} is not finite")
+    if integer:
+        if not number.is_integer():
+            raise SpaceError(f"{where}: {dist} bound {value!r} is not an integer")
+        return int(number)
+    return number
+
+
+def _value(where: str, key: str, value: Any) -> Any:
+    """Coerce one value to the field's type and check its valid range."""
+    if isinstance(value, (dict, list)) or value is None:
+        raise SpaceError(f"{where}: {value!r} is not a single value; {_FORMAT_HINT}", key=key)
+    try:
+        coerced = coerce_value(key, value, source=where)
+        from mtbert.config import check_value
+        check_value(TrainConfig.field_spec(key), coerced)
+    except ConfigError as exc:
+        msg = str(exc)
+        if not msg.startswith(where):
+            msg = f"{where}: {msg}"
+        raise SpaceError(msg, key=key) from None
+    return coerced
+
+
+def _check_combinations(path: Path, space: SearchSpace) -> None:
+    """The fixed values form a valid config, and so does each searched value with them."""
+    fixed = space.fixed
+    try:
+        TrainConfig.from_dict(fixed, source=str(path))
+    except ConfigError as exc:
+        raise SpaceError(f"{path}: {exc.key or 'params'}: the fixed values are invalid together: "
+                         f"{exc}", key=exc.key) from None
+    for key, p in space.searched.items():
+        probes = p.choices if p.dist == "choice" else (p.low, p.high)
+        for value in probes:
+            try:
+                TrainConfig.from_dict({**fixed, key: value}, source=str(path))
+            except ConfigError as exc:
+                raise SpaceError(
+                    f"{path}: {key}: value {value!r} is invalid with the space's fixed values "
+                    f"and the defaults: {exc} (fix the other key in the space)", key=key) from None
+
+
+def list_spaces(spaces_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(name, description) of every space; an invalid file shows its error instead."""
+    out = []
+    folder = Path(spaces_dir) if spaces_dir else default_spaces_dir()
+    for name in available_spaces(folder):
+        try:
+            space = load_space(name, folder)
+            searched = ", ".join(space.searched)
+            out.append((name, f"{space.description} [searches: {searched}]"))
+        except SpaceError as exc:
+            out.append((name, f"INVALID: {exc}"))
+    return out

@@ -1,0 +1,282 @@
+"""MLflow tracking of a search, all from the driver process (trial workers need no MLflow).
+
+Layout in the MLflow experiment ``mtbert/<space>``:
+
+* one **parent run** per search (run name = the Ray experiment name): the driver's
+  arguments, the budget and the space as params; the best/ensemble metrics, the search
+  report plots, ``summary.json`` and ``summary.md`` at the end;
+* one **child run** per trial (tag ``mlflow.parentRunId``): every TrainConfig field
+  of the trial as a param; ``val/*``, ``train/*``, ``examples_seen`` ... per evaluation
+  (step = examples seen); tags ``trial_id``, ``status``, ``stopped_early``,
+  ``rung_reached``, ``error_reason``; artifacts ``config.yaml``, the best checkpoint's
+  validation predictions (Parquet), the SST confusion-matrix plot, and for ensemble
+  members their dev/test predictions;
+* one **ensemble run** (also a child of the parent, tag ``kind=ensemble``).
+
+:class:`~mtbert.tune.callback.MlflowTrialCallback` is a ``ray.tune.Callback``: Tune calls it in the driver on
+every trial start/result/completion/error.  Run ids and the last logged step of each
+trial are kept in ``<experiment dir>/mtbert_mlflow.json``, so a resumed search
+(``Tuner.restore``) reuses its runs and never logs a step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from mtbert.errors import MtbertError
+
+STATE_FILE = "mtbert_mlflow.json"
+LOGGED_RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
+
+
+class TrackingError(MtbertError):
+    """The MLflow tracking URI is unusable (bad scheme, unreachable server, bad path)."""
+
+
+# ---------------------------------------------------------------------- URIs
+def default_tracking_uri(storage_path: Path) -> str:
+    return f"sqlite:///{(Path(storage_path) / 'mlflow.db').resolve()}"
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, before anything starts: bad scheme, unwritable SQLite path, dead server."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if not db.is_absolute():
+            db = Path.cwd() / db
+        if db.exists() and not db.is_file():
+            raise TrackingError(f"--mlflow-uri {uri}: {db} exists and is not a file")
+        _check_creatable(db.parent, f"--mlflow-uri {uri}")
+        return
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (user URI)
+                if resp.status >= 400:
+                    raise TrackingError(f"--mlflow-uri {uri}: server answered {resp.status} "
+                                        f"at {url}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise TrackingError(f"--mlflow-uri {uri}: MLflow server unreachable ({reason}); "
+                                "start it (mlflow server --host 127.0.0.1) or omit --mlflow-uri "
+                                "for the local SQLite store") from None
+        return
+    if uri.startswith("file:") or "://" not in uri:
+        folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+        if folder.exists() and not folder.is_dir():
+            raise TrackingError(f"--mlflow-uri {uri}: {folder} exists and is not a folder")
+        _check_creatable(folder.parent if not folder.exists() else folder, f"--mlflow-uri {uri}")
+        return
+    raise TrackingError(f"--mlflow-uri {uri}: unsupported scheme; use sqlite:///PATH.db, "
+                        "http(s)://HOST:PORT or a local folder")
+
+
+def _check_creatable(folder: Path, what: str) -> None:
+    probe = folder.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise TrackingError(f"{what}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK):
+        raise TrackingError(f"{what}: {probe} is not writable")
+
+
+def artifact_root_for(uri: str) -> str | None:
+    """Artifacts of a local SQLite store live beside the database (not in ./mlruns)."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        return (db.resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
+# ---------------------------------------------------------------------- tracker
+class SearchTracker:
+    """Thin wrapper over ``MlflowClient`` keeping run ids in a JSON state file."""
+
+    def __init__(self, tracking_uri: str, experiment_name: str, state_dir: str | Path):
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.state_path = Path(state_dir) / STATE_FILE
+        self._client = None
+        self._state: dict[str, Any] | None = None
+
+    # pickled inside Ray's experiment state: drop the client, keep the settings
+    def __getstate__(self):
+        return {"tracking_uri": self.tracking_uri, "experiment_name": self.experiment_name,
+                "state_path": str(self.state_path)}
+
+    def __setstate__(self, state):
+        self.tracking_uri = state["tracking_uri"]
+        self.experiment_name = state["experiment_name"]
+        self.state_path = Path(state["state_path"])
+        self._client = None
+        self._state = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from mlflow import MlflowClient
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    @property
+    def state(self) -> dict[str, Any]:
+        if self._state is None:
+            if self.state_path.is_file():
+                self._state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            else:
+                self._state = {"tracking_uri": self.tracking_uri, "children": {}}
+        return self._state
+
+    def save(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
+        tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
+        tmp.replace(self.state_path)
+
+    # ------------------------------------------------------------------ runs
+    def experiment_id(self) -> str:
+        if "experiment_id" not in self.state:
+            exp = self.client.get_experiment_by_name(self.experiment_name)
+            if exp is None:
+                exp_id = self.client.create_experiment(
+                    self.experiment_name, artifact_location=artifact_root_for(self.tracking_uri))
+            else:
+                exp_id = exp.experiment_id
+            self.state["experiment_id"] = exp_id
+            self.save()
+        return self.state["experiment_id"]
+
+    def start_parent(self, run_name: str, params: dict[str, Any], tags: dict[str, str]) -> str:
+        """Create the search's parent run, or reopen it on resume."""
+        run_id = self.state.get("parent_run_id")
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+            self.client.set_tag(run_id, "resumed", "true")
+            return run_id
+        run = self.client.create_run(self.experiment_id(), run_name=run_name,
+                                     tags={"kind": "search", **tags})
+        run_id = run.info.run_id
+        self.state["parent_run_id"] = run_id
+        self.save()
+        self.log_params(run_id, params)
+        return run_id
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.state.get("parent_run_id")
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        items = [Param(str(k), _param_str(v)) for k, v in params.items()]
+        for i in range(0, len(items), 90):
+            self.client.log_batch(run_id, params=items[i:i + 90])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i:i + 500])
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def child_run(self, trial_id: str, trial_name: str, params: dict[str, Any]) -> str:
+        """The trial's child run (created once; reused after a restore or a retry)."""
+        children = self.state["children"]
+        if trial_id in children:
+            return children[trial_id]["run_id"]
+        run = self.client.create_run(
+            self.experiment_id(), run_name=trial_name,
+            tags={"mlflow.parentRunId": self.state["parent_run_id"], "kind": "trial",
+                  "trial_id": trial_id, "trial_name": trial_name, "status": "RUNNING"})
+        run_id = run.info.run_id
+        children[trial_id] = {"run_id": run_id, "last_step": -1}
+        self.save()
+        self.log_params(run_id, params)
+        return run_id
+
+    def mark_running(self, trial_id: str) -> None:
+        """A trial (re)starts: a run closed before a crash/restore is RUNNING again."""
+        child = self.state["children"].get(trial_id)
+        if child and child.get("status") not in (None, "RUNNING"):
+            self.client.update_run(child["run_id"], status="RUNNING")
+            child["status"] = "RUNNING"
+            self.save()
+
+    def log_trial_result(self, trial_id: str, metrics: dict[str, float], step: int) -> bool:
+        """Log one evaluation unless this step was logged before (resume); True if logged."""
+        child = self.state["children"][trial_id]
+        if step <= child.get("last_step", -1):
+            return False
+        self.log_metrics(child["run_id"], metrics, step)
+        child["last_step"] = step
+        self.save()
+        return True
+
+    def end_trial(self, trial_id: str, status: str, tags: dict[str, Any]) -> None:
+        child = self.state["children"].get(trial_id)
+        if not child:
+            return
+        self.set_tags(child["run_id"], tags)
+        self.client.set_terminated(child["run_id"], status=status)
+        child["status"] = status
+        self.save()
+
+    def ensemble_run(self, run_name: str) -> str:
+        run_id = self.state.get("ensemble_run_id")
+        if run_id:
+            return run_id
+        run = self.client.create_run(self.experiment_id(), run_name=run_name,
+                                     tags={"mlflow.parentRunId": self.state["parent_run_id"],
+                                           "kind": "ensemble"})
+        self.state["ensemble_run_id"] = run.info.run_id
+        self.save()
+        return run.info.run_id
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+
+def _param_str(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text[:6000]
+
+
+def rung_reached(examples_seen: int, rungs: list[int]) -> int:
+    """How many ASHA rungs (milestones in examples) the trial got past: 0 = none."""
+    return sum(1 for r in rungs if examples_seen >= r)
+
+
+def error_reason(trial) -> str:
+    """The last line of the trial's error (e.g. ``TrialFailed: non-finite loss: ...``)."""
+    text = ""
+    try:
+        if trial.error_file and Path(trial.error_file).is_file():
+            text = Path(trial.error_file).read_text(encoding="utf-8", errors="replace")
+    except (OSError, TypeError):
+        text = ""
+    return summarize_error(text) or "unknown error (see the trial's error.txt)"
+
+
+def summarize_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "TrialFailed:" in ln:
+            return ln[ln.index("TrialFailed:"):][:500]
+    for ln in reversed(lines):
+        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
+            return ln[:500]
+    return lines[-1][:500] if lines else ""

@@ -1,0 +1,128 @@
+"""The Ray Tune function trainable: one trial = one :class:`~mtbert.trainer.Trainer` run.
+
+``tune.with_parameters(train_trial, data=..., base=...)`` puts the tokenised
+:class:`~mtbert.data.MultitaskData` into Ray's object store once; every trial gets it
+from there (no trial reads or tokenises files).  The trial's config is
+``TrainConfig.from_dict(base | trial config)`` with ``eval_dev=False`` (dev files are
+scored only for the ensemble finalists, by the driver).
+
+After every validation evaluation the trainer calls back; the callback writes the
+validation predictions (Parquet) into the trainer's checkpoint folder and hands the
+folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)`` -- Ray
+copies it to the storage path before the trainer overwrites it at the next evaluation.
+A retried trial (worker lost, ``FailureConfig``) resumes from ``tune.get_checkpoint()``.
+
+Deterministic failures (an invalid config combination, a NaN loss) raise
+:class:`TrialFailed` with the reason; the reason is also written to the trial folder so
+a retry fails at once instead of training again into the same NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FAILED_MARKER = "mtbert_failed.txt"
+
+#: the metrics sent to Ray each evaluation besides every ``val/*`` and ``train/*`` key;
+#: the current learning rate goes as ``train/lr`` (``lr`` is the searched hyperparameter)
+RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
+#: first in the report: Ray's progress table shows the first four metrics
+HEADLINE = ("val/overall", "val/sst_acc", "val/qqp_acc", "val/sts_corr")
+
+
+def ray_metrics(metrics: dict) -> dict[str, float]:
+    """The scalar metrics of one evaluation as reported to Ray (headline keys first)."""
+    from mtbert.trainer import scalar_metrics
+    scalars = scalar_metrics(metrics)
+    if "lr" in scalars:
+        scalars["train/lr"] = scalars.pop("lr")
+    keep = {k: v for k, v in scalars.items() if k.startswith(("val/", "train/")) or k in RUN_KEYS}
+    ordered = {k: keep[k] for k in HEADLINE if k in keep}
+    ordered.update({k: v for k, v in keep.items() if k not in ordered})
+    return ordered
+
+
+class TrialFailed(RuntimeError):
+    """A trial that cannot succeed (bad config combination, NaN loss); not worth a retry."""
+
+
+def trial_config(base: dict[str, Any], config: dict[str, Any]):
+    """The TrainConfig of a trial: base values, then the trial's sampled values."""
+    from mtbert.config import TrainConfig
+    from mtbert.errors import ConfigError
+    values = {**base, **config, "eval_dev": False}
+    try:
+        return TrainConfig.from_dict(values, source="trial config")
+    except ConfigError as exc:
+        raise TrialFailed(f"invalid trial config: {exc}") from None
+
+
+def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None = None) -> None:
+    """Function trainable (see module docstring); ``data`` and ``base`` via with_parameters."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from ray import tune
+
+    trial_dir = Path(tune.get_context().get_trial_dir())
+    marker = trial_dir / FAILED_MARKER
+    if marker.is_file():  # a retry of a deterministic failure: fail again at once
+        raise TrialFailed(marker.read_text(encoding="utf-8"))
+    try:
+        _run(config, data, base or {}, tune)
+    except TrialFailed as exc:
+        _mark_failed(marker, str(exc))
+        raise
+    except Exception as exc:
+        from mtbert.trainer import NonFiniteLossError
+        if isinstance(exc, NonFiniteLossError):
+            _mark_failed(marker, f"non-finite loss: {exc}")
+            raise TrialFailed(f"non-finite loss: {exc}") from None
+        raise
+
+
+def _mark_failed(marker: Path, reason: str) -> None:
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(reason, encoding="utf-8")
+    except OSError:
+        pass
+
+
+def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
+    import logging
+
+    import transformers
+
+    from mtbert.predictions import write_predictions
+    from mtbert.trainer import Trainer
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
+    cfg = trial_config(base, config)
+    work = Path(tempfile.mkdtemp(prefix="mtbert-trial-"))
+    holder: dict[str, Trainer] = {}
+
+    def report(metrics: dict, checkpoint_dir: str) -> None:
+        trainer = holder.get("trainer")
+        predictions = getattr(trainer, "_last_val_predictions", None) if trainer else None
+        if predictions:
+            write_predictions(Path(checkpoint_dir) / "predictions", "val",
+                              {t: data.split(t, "val") for t in predictions}, predictions)
+        tune.report(ray_metrics(metrics),
+                    checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+
+    try:
+        checkpoint = tune.get_checkpoint()
+        resume_from = None
+        if checkpoint is not None:
+            resume_from = Path(checkpoint.to_directory(str(work / "restored")))
+        trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
+        holder["trainer"] = trainer
+        trainer.fit()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

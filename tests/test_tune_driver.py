@@ -1,0 +1,286 @@
+"""The search driver end to end: a real local Ray (num_cpus=2), a real SQLite MLflow store,
+the tiny model and tiny data; plus every bad CLI value / space file -> exit 2, nothing written.
+
+One smoke search (6 trials, ASHA) is shared by the assertions (module fixture).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_TRIALS = 6
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
+    import ray
+
+    from mtbert.tune.driver import main
+
+    root = tmp_path_factory.mktemp("search")
+    storage = root / "ray_results"
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+                   "--data-dir", tiny_data_dir, "--num-samples", str(NUM_TRIALS),
+                   "--storage-path", str(storage), "--experiment", "smoke-test",
+                   "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
+                   # one trial at a time: seeded TPE then sees results in a fixed order,
+                   # so the ASHA decisions (and the test) are deterministic
+                   "--max-concurrent", "1"])
+    finally:
+        if started:
+            ray.shutdown()
+    exp_dir = storage / "smoke-test"
+    summary = json.loads((exp_dir / "summary.json").read_text()) if rc == 0 else None
+    return {"rc": rc, "exp_dir": exp_dir, "uri": uri, "summary": summary}
+
+
+@pytest.fixture(scope="module")
+def ray_trials(search):
+    """Ray's own view of the finished experiment (its result files, no Ray session)."""
+    from ray.tune import ExperimentAnalysis
+    analysis = ExperimentAnalysis(str(search["exp_dir"]), default_metric="val/overall",
+                                  default_mode="max")
+    return analysis
+
+
+@pytest.fixture(scope="module")
+def mlflow_runs(search):
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=search["uri"])
+    exp = client.get_experiment_by_name("mtbert/smoke")
+    runs = client.search_runs([exp.experiment_id])
+    return client, runs
+
+
+def test_smoke_search_completes(search):
+    assert search["rc"] == 0
+    s = search["summary"]
+    exp_dir = search["exp_dir"]
+    assert s["counts"]["trials"] == NUM_TRIALS
+    assert s["counts"]["errored"] == 0
+    assert s["counts"]["completed"] + s["counts"]["stopped_early"] == NUM_TRIALS
+    for name in ("summary.md", "best_so_far.png", "learning_curves.png", "importances.json"):
+        assert (exp_dir / name).is_file(), name
+    # ensemble: CS 224N CSVs for val/dev/test with the right headers and all rows
+    pred = exp_dir / "ensemble" / "predictions"
+    headers = {"sst": "Predicted_Sentiment", "qqp": "Predicted_Is_Paraphrase",
+               "sts": "Predicted_Similarity"}
+    for task, header in headers.items():
+        for split in ("val", "dev") + (("test",) if task != "qqp" else ()):
+            rows = list(csv.reader(open(pred / f"{task}-{split}-output.csv", encoding="utf-8")))
+            assert rows[0] == ["id", header]
+            assert len(rows) > 1
+    ens = s["ensemble"]
+    assert ens["method"] == "vote" and len(ens["members"]) == 3
+    assert ens["members"][0] == s["best_trial"]["trial_id"]
+    assert {"val/overall", "val/sst_acc"} <= set(ens["val"]) and "dev/overall" in ens["dev"]
+    assert "dev/overall" in s["best_trial"]["dev"]
+
+
+def test_asha_stops_some_trials_early(search, ray_trials):
+    s = search["summary"]
+    max_examples = s["budget"]["max_examples"]
+    stopped = [t for t in s["trials"] if t["status"] == "stopped_early"]
+    assert stopped, "ASHA stopped no trial"
+    by_id = {t.trial_id: t for t in ray_trials.trials}
+    for t in s["trials"]:
+        last = by_id[t["trial_id"]].last_result
+        assert t["examples_seen"] == last["examples_seen"]
+        assert (t["status"] == "stopped_early") == (last["examples_seen"] < max_examples)
+    assert any(t["status"] == "completed" for t in s["trials"])
+
+
+def test_summary_consistent_with_ray(search, ray_trials):
+    s = search["summary"]
+    assert {t["trial_id"] for t in s["trials"]} == {t.trial_id for t in ray_trials.trials}
+    best = ray_trials.get_best_trial(scope="all")
+    assert s["best_trial"]["trial_id"] == best.trial_id
+    best_val = max(ray_trials.trial_dataframes[best.trial_id]["val/overall"])
+    assert s["best_trial"]["val"]["val/overall"] == pytest.approx(best_val)
+    assert s["best_trial"]["searched"] == {k: best.config[k] for k in ("lr", "dropout",
+                                                                       "batch_size")}
+    # the best checkpoint is a checkpoint Ray kept, and it scored the best value
+    ckpt = Path(s["best_trial"]["checkpoint"])
+    assert ckpt.is_dir() and (ckpt / "state.pt").is_file()
+    assert json.loads((ckpt / "metrics.json").read_text())["val/overall"] == pytest.approx(best_val)
+    ranked = [t["best_val_overall"] for t in s["trials"] if t["best_val_overall"] is not None]
+    assert max(ranked) == pytest.approx(best_val)
+
+
+def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
+    client, runs = mlflow_runs
+    s = search["summary"]
+    parents = [r for r in runs if r.data.tags.get("kind") == "search"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.run_id == s["mlflow"]["parent_run_id"]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["space"] == "smoke" and parent.data.params["budget"] == "smoke"
+    assert parent.data.params["seed"] == "0" and parent.data.params["search_alg"] == "optuna"
+    assert parent.data.tags["best_trial_id"] == s["best_trial"]["trial_id"]
+    assert parent.data.metrics["best/val/overall"] == pytest.approx(
+        s["best_trial"]["val"]["val/overall"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"summary.json", "summary.md", "report"} <= artifacts
+
+    children = [r for r in runs if r.data.tags.get("kind") == "trial"]
+    assert len(children) == NUM_TRIALS  # exactly one per trial
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
+    by_trial = {r.data.tags["trial_id"]: r for r in children}
+    summary_trials = {t["trial_id"]: t for t in s["trials"]}
+    for trial in ray_trials.trials:
+        run = by_trial[trial.trial_id]
+        assert run.info.run_id == summary_trials[trial.trial_id]["mlflow_run_id"]
+        # every hyperparameter as a param (the whole TrainConfig), sampled values exact
+        assert float(run.data.params["lr"]) == pytest.approx(trial.config["lr"])
+        assert int(run.data.params["batch_size"]) == trial.config["batch_size"]
+        assert "smart_lambda_sst" in run.data.params and run.data.params["eval_dev"] == "False"
+        # metric history: one point per evaluation, step = examples seen
+        df = ray_trials.trial_dataframes[trial.trial_id]
+        history = client.get_metric_history(run.info.run_id, "val/overall")
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(df["examples_seen"])
+        assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
+            list(df["val/overall"]))
+        for key in ("val/sst_acc", "val/qqp_acc", "val/sts_corr", "examples_seen"):
+            assert len(client.get_metric_history(run.info.run_id, key)) == len(df)
+        status = summary_trials[trial.trial_id]["status"]
+        assert run.data.tags["status"] == status
+        assert run.data.tags["stopped_early"] == str(status == "stopped_early").lower()
+        assert int(run.data.tags["rung_reached"]) == summary_trials[trial.trial_id]["rung_reached"]
+        assert run.info.status == "FINISHED"
+        names = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "predictions", "sst_confusion.png"} <= names
+        preds = {a.path for a in client.list_artifacts(run.info.run_id, "predictions")}
+        assert "predictions/val-sst.parquet" in preds
+
+    ensembles = [r for r in runs if r.data.tags.get("kind") == "ensemble"]
+    assert len(ensembles) == 1
+    ens = ensembles[0]
+    assert ens.data.params["members"] == ",".join(s["ensemble"]["members"])
+    assert ens.data.metrics["val/overall"] == pytest.approx(s["ensemble"]["val"]["val/overall"])
+    assert ens.data.metrics["dev/overall"] == pytest.approx(s["ensemble"]["dev"]["dev/overall"])
+
+
+# ---------------------------------------------------------------------- bad input
+BAD_SPACE = {
+    "unknown_key": "params:\n  learnin_rate: {uniform: [0.1, 0.2]}\n",
+    "bad_distribution": "params:\n  lr: {gaussian: [0.1, 0.2]}\n",
+    "out_of_range": "params:\n  dropout: {uniform: [0.0, 2.0]}\n",
+    "data_field": "params:\n  max_train_per_task: {choice: [10, 20]}\n",
+}
+
+
+def _assert_rejected(capsys, rc, storage: Path, expected: str):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert expected in err[0], err[0]
+    assert not storage.exists(), "something was written"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPACE))
+def test_bad_space_file_exits_2_with_nothing_written(tmp_path, capsys, tiny_model_dir,
+                                                     tiny_data_dir, case):
+    from mtbert.tune.driver import main
+    space = tmp_path / f"{case}.yaml"
+    space.write_text("description: bad\n" + BAD_SPACE[case], encoding="utf-8")
+    storage = tmp_path / "out"
+    rc = main(["--space", str(space), "--model", tiny_model_dir, "--data-dir", tiny_data_dir,
+               "--storage-path", str(storage)])
+    key = BAD_SPACE[case].split()[1].rstrip(":")
+    _assert_rejected(capsys, rc, storage, f"{space}: {key}:")
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--num-samples", "0"], "--num-samples 0: must be >= 1"),
+    (["--max-concurrent", "0"], "--max-concurrent 0: must be >= 1"),
+    (["--cpus-per-trial", "0"], "--cpus-per-trial 0: must be > 0"),
+    (["--cpus-per-trial", "512"], "--cpus-per-trial 512: this machine has only"),
+    (["--gpus-per-trial", "-1"], "--gpus-per-trial -1: must be >= 0"),
+    (["--seed", "-3"], "--seed -3: must be >= 0"),
+    (["--ensemble-top-k", "9", "--num-samples", "4"], "--ensemble-top-k 9: more than"),
+    (["--ensemble-top-k", "0"], "--ensemble-top-k 0: must be >= 1"),
+    (["--experiment", "a/b"], "--experiment 'a/b': use letters"),
+    (["--mlflow-uri", "ftp://example/x"], "unsupported scheme"),
+    (["--mlflow-uri", "http://127.0.0.1:9"], "MLflow server unreachable"),
+    (["--resume"], "--resume needs --experiment"),
+    (["--resume", "--experiment", "nothing-here"], "no search to resume"),
+    (["--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data: folder not found"),
+    (["--model", "/nonexistent/model"], "no such model folder"),
+    (["--space", "no_such_space"], "unknown search space"),
+    (["--budget", "huge"], "argument --budget: invalid choice"),
+    (["--num-samples", "many"], "argument --num-samples: invalid int value"),
+    (["--search-alg", "grid"], "argument --search-alg: invalid choice"),
+])
+def test_bad_cli_value_exits_2_with_nothing_written(tmp_path, capsys, tiny_model_dir,
+                                                    tiny_data_dir, extra, expected):
+    from mtbert.tune.driver import main
+    storage = tmp_path / "out"
+    argv = ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+            "--data-dir", tiny_data_dir, "--storage-path", str(storage)]
+    flags = extra[0::2]
+    argv = [a for i, a in enumerate(argv) if not (a in flags or (i and argv[i - 1] in flags))]
+    try:
+        rc = main(argv + extra)
+    except SystemExit as exc:  # argparse errors
+        rc = exc.code
+    _assert_rejected(capsys, rc, storage, expected)
+
+
+def test_bad_data_file_exits_2(tmp_path, capsys, tiny_model_dir, tiny_data_dir):
+    import shutil
+
+    from mtbert.tune.driver import main
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    (data / "sts-train.csv").write_text("\tid\tsentence1\tsentence2\tsimilarity\n"
+                                        "0\tx1\ta\tb\t9.0\n", encoding="utf-8")
+    storage = tmp_path / "out"
+    rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+               "--data-dir", str(data), "--storage-path", str(storage)])
+    _assert_rejected(capsys, rc, storage, "sts-train.csv, line 2")
+
+
+def test_existing_experiment_needs_resume(tmp_path, capsys, tiny_model_dir, tiny_data_dir):
+    from mtbert.tune.driver import main
+    storage = tmp_path / "out"
+    (storage / "taken").mkdir(parents=True)
+    rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+               "--data-dir", tiny_data_dir, "--storage-path", str(storage),
+               "--experiment", "taken"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "already exists; pass --resume" in err
+    assert [p.name for p in storage.iterdir()] == ["taken"]
+
+
+def test_cli_process_exit_codes(tmp_path):
+    """The real `python tune_driver.py`: --list-spaces, and a bad space -> exit 2, one line."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "tune_driver.py", "--list-spaces"], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0
+    names = [line.split()[0] for line in out.stdout.splitlines()]
+    assert {"smart", "sampler", "pcgrad", "arch", "pretrain", "full", "smoke"} <= set(names)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("description: bad\nparams:\n  dropout: {uniform: [0.1, 3.0]}\n")
+    out = subprocess.run([sys.executable, "tune_driver.py", "--space", str(bad),
+                          "--storage-path", str(tmp_path / "out")], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: {bad}: dropout: uniform bound 3 is outside the valid range of dropout "
+        "(must be <= 0.9)"]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,95 @@
+"""End-of-search pieces without Ray: ensemble of member predictions (vote and greedy),
+the report's importances and plots, on hand-made data."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mtbert.tune.finalize import build_ensemble
+from mtbert.tune.report import TrialRecord, param_importances, write_report
+
+
+class FakeData:
+    """Just what build_ensemble reads: ``split(task, name).labels``."""
+
+    def __init__(self, labels):
+        self.labels = labels
+
+    def split(self, task, name):
+        if name == "test":
+            return SimpleNamespace(labels=None)
+        return SimpleNamespace(labels=np.asarray(self.labels[name][task]))
+
+
+GOLD = {"sst": [0, 1, 2, 3, 4, 0], "qqp": [1, 0, 1, 0, 1, 0],
+        "sts": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}
+
+
+def member(sst, qqp, sts):
+    split = {"sst": np.array(sst), "qqp": np.array(qqp, dtype=float), "sts": np.array(sts)}
+    return {"val": split, "dev": split, "test": {"sst": split["sst"], "sts": split["sts"]}}
+
+
+PREDS = {
+    # best on val: sst 4/6, qqp 4/6, sts r high
+    "a": member([0, 1, 2, 3, 0, 1], [0.9, 0.1, 0.8, 0.2, 0.1, 0.7], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]),
+    "b": member([0, 1, 0, 0, 4, 0], [0.9, 0.1, 0.2, 0.6, 0.9, 0.1], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]),
+    "c": member([1, 2, 2, 3, 4, 0], [0.2, 0.7, 0.9, 0.1, 0.8, 0.2], [0.5, 1.5, 2.5, 3.5, 4.5, 4.0]),
+}
+DATA = FakeData({"val": GOLD, "dev": GOLD})
+
+
+def test_vote_ensemble_exact():
+    res = build_ensemble(["a", "b", "c"], PREDS, DATA, "vote")
+    assert res.labels["val"]["sst"].tolist() == [0, 1, 2, 3, 4, 0]
+    # qqp classes a=[1,0,1,0,0,1] b=[1,0,0,1,1,0] c=[0,1,1,0,1,0]
+    assert res.labels["val"]["qqp"].tolist() == [1, 0, 1, 0, 1, 0]
+    assert res.labels["val"]["sts"].tolist() == [0.5, 1.5, 2.5, 3.0, 4.0, 4.0]
+    assert res.metrics["val/sst_acc"] == 1.0 and res.metrics["val/qqp_acc"] == 1.0
+    assert res.best_single["val/sst_acc"] == pytest.approx(4 / 6)
+    assert res.weights == {"sst": [1, 1, 1], "qqp": [1, 1, 1], "sts": [1, 1, 1]}
+    assert set(res.labels["test"]) == {"sst", "sts"}
+
+
+def test_greedy_ensemble_selects_on_val_per_task():
+    res = build_ensemble(["a", "b", "c"], PREDS, DATA, "greedy")
+    assert res.weights["sst"] == [1, 1, 1]          # the 3-way majority fixes every row
+    assert res.weights["sts"] == [1, 0, 0]          # member a is already perfect (r = 1)
+    assert res.metrics["val/sst_acc"] == 1.0
+    assert res.metrics["val/sts_corr"] == pytest.approx(1.0)
+    assert res.metrics["val/overall"] >= res.best_single["val/overall"]
+
+
+def _record(tid, status, lr, bs, score, history):
+    return TrialRecord(trial_id=tid, name=f"trial_{tid}", status=status,
+                       config={"lr": lr, "batch_size": bs, "warmup_ratio": 0.0},
+                       history=history, best={"val/overall": score})
+
+
+def test_report_files_and_importances(tmp_path):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(8):
+        lr = float(10 ** rng.uniform(-5, -3))
+        bs = [8, 16][i % 2]
+        score = 0.4 + 0.05 * np.log10(lr / 1e-5)  # lr matters, batch size does not
+        seen = [50, 100] if i % 3 else [50]
+        hist = [{"examples_seen": s, "val/overall": score * s / 100, "timestamp": 10 * i + j}
+                for j, s in enumerate(seen)]
+        records.append(_record(f"t{i}", "completed" if len(seen) == 2 else "stopped_early",
+                               lr, bs, score, hist))
+    records.append(_record("bad", "error", 1e-4, 8, float("-inf"), []))
+    dists = {"lr": FloatDistribution(1e-5, 1e-3, log=True),
+             "batch_size": CategoricalDistribution([8, 16]), "warmup_ratio": None}
+    imp = param_importances(records, dists)
+    assert set(imp) == {"fanova", "ped_anova"}
+    assert imp["fanova"]["lr"] > imp["fanova"]["batch_size"]
+    out = write_report(records, dists, tmp_path, rungs=[50, 100])
+    for key in ("best_so_far", "learning_curves", "importances", "importances_json"):
+        assert (tmp_path / out["files"][key].split("/")[-1]).is_file()
+    # too few usable trials: no importances, no crash
+    assert param_importances(records[:1], dists) == {}
