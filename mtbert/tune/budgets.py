@@ -10,10 +10,14 @@ trial trains until ``max_examples`` and is scored on the validation split every
 whole epochs); ``max_eval_per_task`` caps the validation, dev and test rows scored
 (0 = all; with a cap the CS 224N test CSVs cover only the first rows).
 
-Times measured on the 2-core machine with the packaged MiniLM (~27-45 train ex/s,
-~100 eval sentences/s): ``small`` ~20-30 min and ``medium`` ~2 h at the default
-number of samples; ``smoke`` is for the tiny test model (a minute or two, also on a
-slice of the real data); ``full`` is all the data, meant for GPU nodes.
+Sizing (2-core machine, packaged MiniLM, one thread per trial, two trials at once):
+a trial trains ~20 ex/s plain and ~11 ex/s with SMART on every task, so the machine
+does ~22-40 ex/s.  Async ASHA with rf=2 spends about ``n*g + n/2*g + n/4*2g + n/8*4g``
+plus the extra promotions of the first trials at each rung: ``small`` (n=8, g=1000)
+~18-23k examples + ~30 evaluations of 900 rows -> ~20-30 min; ``medium`` (n=12,
+g=4000) ~125k examples -> ~2 h.  ``smoke`` is for the tiny test model (a minute), or
+a 64-row slice of the real data with MiniLM (2-3 min); ``full`` is all the data
+(3 epochs per trial), meant for GPU nodes.
 """
 
 from __future__ import annotations
@@ -71,12 +75,12 @@ BUDGETS: dict[str, Budget] = {b.name: b for b in (
     Budget("smoke", "tests and a first try: ~1-2 min with the tiny model or a 64-row slice",
            max_examples=192, epochs=2, eval_every=48, grace_period=48, reduction_factor=3,
            max_train_per_task=64, max_eval_per_task=32, num_samples=4, ensemble_top_k=3),
-    Budget("small", "~20-30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 3 epochs",
-           max_examples=9000, epochs=3, eval_every=1500, grace_period=1500, reduction_factor=2,
+    Budget("small", "~20-30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 2 epochs",
+           max_examples=6000, epochs=2, eval_every=1000, grace_period=1000, reduction_factor=2,
            max_train_per_task=1000, max_eval_per_task=300, num_samples=8, ensemble_top_k=3),
     Budget("medium", "~2 h on 2 CPU cores with MiniLM: 4,000 train rows per task, 2 epochs",
            max_examples=24000, epochs=2, eval_every=4000, grace_period=4000, reduction_factor=2,
-           max_train_per_task=4000, max_eval_per_task=1000, num_samples=16, ensemble_top_k=5),
+           max_train_per_task=4000, max_eval_per_task=1000, num_samples=12, ensemble_top_k=5),
     Budget("full", "all the data, 3 epochs per trial: for GPU nodes",
            max_examples=0, epochs=3, eval_every=10000, grace_period=10000, reduction_factor=3,
            max_train_per_task=0, max_eval_per_task=0, num_samples=32, ensemble_top_k=5),
