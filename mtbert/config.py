@@ -9,6 +9,7 @@ invalid values raise :class:`ConfigError` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -140,6 +141,9 @@ class TrainConfig:
         "examples the pre-training stage sees", low=1))
     pretrain_lr: float = field(default=3e-5, metadata=_meta(
         "pre-training learning rate", low=0.0, low_open=True))
+    pretrain_batch_size: int = field(default=64, metadata=_meta(
+        "pre-training batch size (SimCSE: sentences or pairs per batch, the in-batch negatives)",
+        low=2, high=4096))
     simcse_temp: float = field(default=0.05, metadata=_meta(
         "SimCSE temperature", low=0.0, low_open=True))
 
@@ -219,9 +223,13 @@ class TrainConfig:
                               key="pcgrad")
 
 
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
 def _field_type(f: dataclasses.Field) -> Any:
-    hints = typing.get_type_hints(TrainConfig)
-    return hints[f.name]
+    return _type_hints()[f.name]
 
 
 def coerce_value(key: str, value: Any, *, source: str = "config") -> Any:

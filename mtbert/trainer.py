@@ -289,9 +289,10 @@ class Trainer:
                                                   self.device, self.autocast)
         self.write_predictions("test", predictions)
 
-    def write_predictions(self, split_name: str, predictions: dict[str, np.ndarray]) -> None:
+    def write_predictions(self, split_name: str, predictions: dict[str, np.ndarray],
+                          folder: Path | None = None) -> None:
         from mtbert.predictions import write_predictions
-        write_predictions(self.out_dir / "predictions", split_name,
+        write_predictions(folder or self.out_dir / "predictions", split_name,
                           {t: self.data.split(t, split_name) for t in predictions}, predictions)
 
     # ------------------------------------------------------------------ checkpoints
@@ -320,6 +321,8 @@ class Trainer:
         (tmp / "config.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
         self._write_json(tmp / "metrics.json", metrics or {})
         self._write_json(tmp / "history.json", [scalar_metrics(m) for m in self.history])
+        if self._last_val_predictions:  # the evaluation this checkpoint belongs to
+            self.write_predictions("val", self._last_val_predictions, tmp / "predictions")
         old = self.out_dir / ".checkpoint.old"
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():

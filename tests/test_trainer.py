@@ -53,6 +53,9 @@ def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
     assert csv_lines[0] == "id,Predicted_Sentiment" and len(csv_lines) == 1 + 20
     assert (pred / "sts-test-output.csv").read_text().startswith("id,Predicted_Similarity")
     assert not (pred / "qqp-test-output.csv").exists()  # there is no QQP test-student file
+    # the checkpoint carries the val predictions of its evaluation
+    ckpt_sts = pq.read_table(tmp_path / "checkpoint" / "predictions" / "val-sts.parquet").to_pandas()
+    assert ckpt_sts.prediction.tolist() == pq.read_table(pred / "val-sts.parquet").to_pandas().prediction.tolist()
     # the checkpoint reloads to the same predictions
     cfg_back, model = load_checkpoint_model(tmp_path / "checkpoint")
     assert cfg_back == cfg

@@ -6,9 +6,9 @@ from there (no trial reads or tokenises files).  The trial's config is
 ``TrainConfig.from_dict(base | trial config)`` with ``eval_dev=False`` (dev files are
 scored only for the ensemble finalists, by the driver).
 
-After every validation evaluation the trainer calls back; the callback writes the
-validation predictions (Parquet) into the trainer's checkpoint folder and hands the
-folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)`` -- Ray
+After every validation evaluation the trainer writes a checkpoint folder (model state
+and that evaluation's validation predictions as Parquet) and calls back; the callback
+hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)`` -- Ray
 copies it to the storage path before the trainer overwrites it at the next evaluation.
 A retried trial (worker lost, ``FailureConfig``) resumes from ``tune.get_checkpoint()``.
 
@@ -97,7 +97,6 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
 
     import transformers
 
-    from mtbert.predictions import write_predictions
     from mtbert.trainer import Trainer
 
     transformers.utils.logging.set_verbosity_error()
@@ -105,14 +104,9 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
     cfg = trial_config(base, config)
     work = Path(tempfile.mkdtemp(prefix="mtbert-trial-"))
-    holder: dict[str, Trainer] = {}
 
     def report(metrics: dict, checkpoint_dir: str) -> None:
-        trainer = holder.get("trainer")
-        predictions = getattr(trainer, "_last_val_predictions", None) if trainer else None
-        if predictions:
-            write_predictions(Path(checkpoint_dir) / "predictions", "val",
-                              {t: data.split(t, "val") for t in predictions}, predictions)
+        # the checkpoint folder holds the model state and this evaluation's val predictions
         tune.report(ray_metrics(metrics),
                     checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
 
@@ -121,8 +115,6 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
         resume_from = None
         if checkpoint is not None:
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
-        trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
-        holder["trainer"] = trainer
-        trainer.fit()
+        Trainer(cfg, data, work / "run", report=report, resume_from=resume_from).fit()
     finally:
         shutil.rmtree(work, ignore_errors=True)
