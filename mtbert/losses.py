@@ -10,7 +10,9 @@ Task losses: SST cross-entropy; QQP binary cross-entropy on the logit; STS by
     binarised at 2.5 (report 002), plus the head's MSE when the head is a regression.
 
 A loss combiner turns ``{task: loss}`` into per-task weighted losses (and may own
-parameters); the gradient combiner (gradients.py) then sets the gradients.
+parameters) and adds the L1/L2 weight penalty (``loss_weighting``: ``sum``, ``fixed``
+with ``w_sst/w_qqp/w_sts``, or ``uncertainty`` with learned s_i; ``l1_lambda``,
+``l2_lambda``); the gradient combiner (gradients.py) then sets the gradients.
 """
 
 from __future__ import annotations
@@ -47,14 +49,43 @@ def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig) -> torch.Tensor
     raise ValueError(f"unknown sts_loss {kind!r}")
 
 
+def penalised_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The weights the L1/L2 penalties act on: every trainable parameter with ≥ 2 dims
+    (weight matrices and embedding tables), *excluding* biases and LayerNorm gains/shifts
+    (the same split as the trainer's weight-decay groups: penalising LayerNorm gains
+    towards 0 would fight the normalisation, and biases carry no capacity to regularise)."""
+    return [p for name, p in model.named_parameters()
+            if p.requires_grad and p.ndim >= 2 and "LayerNorm" not in name
+            and not name.endswith("bias")]
+
+
 class LossCombiner(nn.Module):
-    """``weighted({task: loss}) -> {task: weighted loss}``; ``penalty(model)`` adds a term."""
+    """``weighted({task: loss}) -> {task: weighted loss}``; ``penalty(model)`` adds a term.
+
+    Every combiner carries the weight penalties of report 002 §4.2.2:
+    ``penalty(model) = l1_lambda · Σ|θ| + l2_lambda · Σ θ²`` over
+    :func:`penalised_parameters` (weight matrices and embeddings; no biases, no
+    LayerNorm), or None when both are 0 (the plain loss is then unchanged).
+    """
+
+    def __init__(self, cfg: TrainConfig | None = None):
+        super().__init__()
+        self.l1 = float(cfg.l1_lambda) if cfg is not None else 0.0
+        self.l2 = float(cfg.l2_lambda) if cfg is not None else 0.0
 
     def weighted(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(losses)
 
     def penalty(self, model: nn.Module) -> torch.Tensor | None:
-        return None
+        if self.l1 == 0 and self.l2 == 0:
+            return None
+        params = penalised_parameters(model)
+        total = torch.zeros((), device=params[0].device) if params else torch.zeros(())
+        if self.l1:
+            total = total + self.l1 * torch.stack([p.abs().sum() for p in params]).sum()
+        if self.l2:
+            total = total + self.l2 * torch.stack([p.pow(2).sum() for p in params]).sum()
+        return total
 
 
 class SumCombiner(LossCombiner):
@@ -65,14 +96,30 @@ class FixedCombiner(LossCombiner):
     """L = Σ_i w_i L_i with the config's ``w_sst``, ``w_qqp``, ``w_sts``."""
 
     def __init__(self, cfg: TrainConfig):
-        super().__init__()
+        super().__init__(cfg)
         self.weights = {t: getattr(cfg, f"w_{t}") for t in ("sst", "qqp", "sts")}
 
     def weighted(self, losses):
         return {t: self.weights[t] * loss for t, loss in losses.items()}
 
 
+class UncertaintyCombiner(LossCombiner):
+    """Homoscedastic uncertainty weighting (Kendall et al. 2018; report 002 §4.2.2):
+    L = Σ_i exp(−s_i)·L_i + s_i, one learnable s_i (log variance) per task, initialised at
+    0 so the start is exactly the plain sum. ``s`` holds them as ``nn.Parameter`` s; the
+    trainer puts them in their own optimizer group without weight decay."""
+
+    def __init__(self, cfg: TrainConfig | None = None, tasks: tuple[str, ...] = ("sst", "qqp", "sts")):
+        super().__init__(cfg)
+        self.s = nn.ParameterDict({t: nn.Parameter(torch.zeros(())) for t in tasks})
+
+    def weighted(self, losses):
+        return {t: torch.exp(-self.s[t]) * loss + self.s[t] for t, loss in losses.items()}
+
+
 def build_loss_combiner(cfg: TrainConfig) -> LossCombiner:
     if cfg.loss_weighting == "fixed":
         return FixedCombiner(cfg)
-    return SumCombiner()
+    if cfg.loss_weighting == "uncertainty":
+        return UncertaintyCombiner(cfg)
+    return SumCombiner(cfg)

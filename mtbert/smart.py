@@ -1,11 +1,259 @@
-"""SMART regularisation (Jiang et al. 2020). Filled in by the techniques issue."""
+"""SMART regularisation (Jiang et al. 2020; report 001 eqs. 6-8, report 004 eqs. 2-6).
+
+For task ``t`` the trainer adds to the task loss
+
+    λ_t · R_s(θ) + μ · D_Breg(θ, θ̃)
+
+* smoothness-inducing adversarial regulariser (eq. 7 of 001 / eq. 4 of 004):
+  ``R_s(θ) = 1/n Σ_i max_{‖x̃_i − x_i‖∞ ≤ ε} ℓ_s(f(x̃_i; θ), f(x_i; θ))``, with x the
+  *word embeddings* of the input.  The max is approximated as in Jiang et al.'s
+  Algorithm 1: x̃ = x + ν, ν ~ N(0, σ²I) with σ² = ``smart_noise``; then
+  ``smart_steps`` times x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃ / ‖g̃‖∞) with
+  g̃ = ∇_x̃ ℓ_s(f(x̃; θ), f(x; θ)), η = ``smart_step_size``, ε = ``smart_eps``
+  (the norm of g̃ is taken per example, the projection is an element-wise clamp).
+  Only real tokens are perturbed (padding positions keep δ = 0).
+* Bregman proximal point with momentum (eqs. 5-6 of 004):
+  ``D_Breg(θ, θ̃) = 1/n Σ_i ℓ_s(f(x_i; θ), f(x_i; θ̃))``, the teacher θ̃ an EMA of θ:
+  θ̃ ← β θ̃ + (1 − β) θ after every optimizer step (β = ``smart_beta``); θ̃_0 is the
+  model when the regulariser is built (after any pre-training stage).
+* ℓ_s (eq. 8 of 001): symmetric KL D(P‖Q) + D(Q‖P) for SST (5-class softmax of the
+  logits) and QQP (the Bernoulli σ(logit)); squared error for the STS score.
+
+Dropout.  ``f(·; θ)`` in R_s and D_Breg is one function: the perturbed, the ascent
+and the teacher forwards replay the dropout masks of the trainer's clean forward
+(the regulariser records torch's RNG state in a forward pre-hook and restores it
+around its own forwards), so R_s is exactly 0 for δ = 0 and D_Breg exactly 0 for
+θ̃ = θ even in train mode, and the ascent direction is not swamped by dropout noise.
+The global RNG then continues as if those forwards had not consumed it; only the
+initial noise ν is drawn from it (so checkpoint resume stays exact).
+
+Cost.  One SMART step adds an ascent forward + a backward to the embeddings only,
+an adversarial forward + its backward, and (μ > 0) one no-grad teacher forward.
+Memory: the teacher is one detached copy of every trainable parameter of the model
+(for MiniLM-L6 about 22.7 M floats, ~91 MB in fp32), evaluated with
+``torch.func.functional_call`` (buffers are shared with the model); nothing is kept
+when μ = 0.
+"""
 
 from __future__ import annotations
 
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
 from mtbert.config import TASKS, TrainConfig
+from mtbert.model import TaskOutput
+
+_TINY = 1e-12
 
 
-def build_regulariser(cfg: TrainConfig, model):
+# ---------------------------------------------------------------------- divergences ℓ_s
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for low-precision tensors, float64 kept (so tests can run in double)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def symmetric_kl_logits(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(P‖Q) + KL(Q‖P), P = softmax(p), Q = softmax(q) (001 eq. 8).
+    Written as Σ_k (P_k − Q_k)(log P_k − log Q_k): every term is ≥ 0."""
+    lp, lq = F.log_softmax(_wide(p_logits), -1), F.log_softmax(_wide(q_logits), -1)
+    return ((lp.exp() - lq.exp()) * (lp - lq)).sum(-1).mean()
+
+
+def symmetric_kl_bernoulli(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Mean of KL + reverse KL between Bernoulli(σ(a)) and Bernoulli(σ(b)).
+    Since log σ(z) − log σ(−z) = z, the four log terms collapse to (σ(a) − σ(b))·(a − b)."""
+    a, b = _wide(a), _wide(b)
+    return ((torch.sigmoid(a) - torch.sigmoid(b)) * (a - b)).mean()
+
+
+def squared_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Mean of (a − b)² (ℓ_s for regression, 004 §4.3)."""
+    return (_wide(a) - _wide(b)).pow(2).mean()
+
+
+def smart_output(task: str, out: TaskOutput) -> torch.Tensor:
+    """What ℓ_s compares: SST 5-class logits, QQP logit, STS score."""
+    return out.score if task == "sts" else out.logits
+
+
+def divergence(task: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """ℓ_s for ``task`` on two ``smart_output`` tensors (symmetric in p, q)."""
+    if task == "sst":
+        return symmetric_kl_logits(p, q)
+    if task == "qqp":
+        return symmetric_kl_bernoulli(p, q)
+    return squared_error(p, q)
+
+
+# ---------------------------------------------------------------------- RNG replay
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, device
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda, device = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _batch_device(batch: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(batch.values())).device
+
+
+_MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
+
+
+class SmartRegulariser:
+    """``term(model, task, batch, clean_output)`` = λ_task·R_s + μ·D_Breg for one task batch;
+    ``after_step(model)`` updates the EMA teacher; ``state_dict`` holds the teacher."""
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module):
+        self.lambdas = {t: float(cfg.smart_lambda(t)) for t in TASKS}
+        self.eps = float(cfg.smart_eps)
+        self.noise_std = math.sqrt(cfg.smart_noise)  # smart_noise is the variance σ²
+        self.steps = int(cfg.smart_steps)
+        self.step_size = float(cfg.smart_step_size)
+        self.mu = float(cfg.smart_mu)
+        self.beta = float(cfg.smart_beta)
+        self.teacher: dict[str, torch.Tensor] | None = None
+        if self.mu > 0:
+            self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
+                            if p.requires_grad}
+        self._busy = False
+        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
+        self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+
+    # -------------------------------------------------------------- hooks / state
+    def _remember_rng(self, module, args, kwargs):
+        """Record torch's RNG state before each training forward of the model (the trainer's
+        clean forward) so the regulariser's forwards can replay its dropout masks."""
+        if self._busy or not module.training or not torch.is_grad_enabled():
+            return None
+        task = args[0] if args else kwargs.get("task")
+        batch = args[1] if len(args) > 1 else kwargs.get("batch")
+        if isinstance(batch, dict) and batch:
+            self._seen = (task, batch, _rng_state(_batch_device(batch)))
+        return None
+
+    def remove(self) -> None:
+        """Detach the forward pre-hook from the model."""
+        self._hook.remove()
+
+    def state_dict(self) -> dict:
+        return {"teacher": dict(self.teacher)} if self.teacher is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.teacher is None:
+            return
+        saved = state["teacher"]
+        if set(saved) != set(self.teacher):
+            raise ValueError("SMART teacher state does not match the model's parameters")
+        with torch.no_grad():
+            for name, tensor in self.teacher.items():
+                tensor.copy_(saved[name])
+
+    @torch.no_grad()
+    def after_step(self, model: nn.Module) -> None:
+        """θ̃ ← β θ̃ + (1 − β) θ (momentum Bregman proximal point, Jiang et al. 2020 §3)."""
+        if self.teacher is None:
+            return
+        params = dict(model.named_parameters())
+        names = list(self.teacher)
+        teacher = [self.teacher[n] for n in names]
+        torch._foreach_mul_(teacher, self.beta)
+        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - self.beta)
+
+    # -------------------------------------------------------------- the term
+    def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
+             clean: TaskOutput) -> torch.Tensor:
+        """λ_task · R_s(θ) + μ · D_Breg(θ, θ̃) for this batch (eqs. 2 and 5 of report 004)."""
+        ref = smart_output(task, clean)
+        lam = self.lambdas[task]
+        total = ref.new_zeros((), dtype=torch.float32)
+        if lam == 0 and self.mu == 0:
+            return total
+        rng = self._replay_state(task, batch)
+        if lam > 0:
+            total = total + lam * self.smoothness(model, task, batch, clean, rng)
+        if self.mu > 0:
+            total = total + self.mu * self.bregman(model, task, batch, clean, rng)
+        return total
+
+    def _replay_state(self, task: str, batch: dict[str, torch.Tensor]):
+        seen, self._seen = self._seen, None
+        if seen is not None and seen[0] == task and seen[1] is batch:
+            return seen[2]
+        return None  # clean forward not observed: our forwards draw fresh dropout masks
+
+    def _forward(self, model, task, batch, rng, embeds=None, params=None) -> TaskOutput:
+        """One forward of the model (or of the teacher weights ``params``) that reuses the
+        dropout masks of the clean forward when ``rng`` is known, leaving the global RNG as
+        it was."""
+        self._busy = True
+        after = _rng_state(_batch_device(batch)) if rng is not None else None
+        try:
+            if rng is not None:
+                _set_rng_state(rng)
+            if params is None:
+                return model(task, batch, embeds=embeds)
+            return functional_call(model, params, (task, batch), {"embeds": embeds})
+        finally:
+            if after is not None:
+                _set_rng_state(after)
+            self._busy = False
+
+    def perturbation(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
+                     clean: TaskOutput, rng=None) -> tuple[dict, dict]:
+        """The embeddings x (detached) and the adversarial δ with ‖δ‖∞ ≤ ε (Algorithm 1)."""
+        x = {k: e.detach() for k, e in model.embed_inputs(task, batch).items()}
+        masks = {k: batch[_MASK_KEY[k]].unsqueeze(-1).to(x[k].dtype) for k in x}
+        # ν ~ N(0, σ² I) from torch's global RNG, real tokens only
+        delta = {k: torch.randn_like(x[k]) * self.noise_std * masks[k] for k in x}
+        target = smart_output(task, clean).detach()
+        for _ in range(self.steps):
+            delta = {k: d.requires_grad_(True) for k, d in delta.items()}
+            out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
+            div = divergence(task, smart_output(task, out), target)
+            keys = list(delta)
+            grads = torch.autograd.grad(div, [delta[k] for k in keys], allow_unused=True)
+            grads = {k: (g if g is not None else torch.zeros_like(delta[k]))
+                     for k, g in zip(keys, grads)}
+            # per-example ‖g̃‖∞ over every perturbed token of the example
+            norm = torch.stack([g.abs().flatten(1).amax(1) for g in grads.values()]).amax(0)
+            norm = norm.view(-1, 1, 1) + _TINY
+            # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
+            delta = {k: ((delta[k].detach() + self.step_size * grads[k] / norm)
+                         .clamp(-self.eps, self.eps) * masks[k]) for k in keys}
+        return x, delta
+
+    def smoothness(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
+                   clean: TaskOutput, rng=None) -> torch.Tensor:
+        """R_s(θ) = ℓ_s(f(x + δ*; θ), f(x; θ)) with δ* from :meth:`perturbation` (001 eq. 7);
+        gradients reach θ through both outputs."""
+        x, delta = self.perturbation(model, task, batch, clean, rng)
+        return self.divergence_at(model, task, batch, clean, x, delta, rng)
+
+    def divergence_at(self, model, task, batch, clean, x, delta, rng=None) -> torch.Tensor:
+        """ℓ_s(f(x + δ; θ), f(x; θ)) for a given perturbation δ."""
+        out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
+        return divergence(task, smart_output(task, out), smart_output(task, clean))
+
+    def bregman(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
+                clean: TaskOutput, rng=None) -> torch.Tensor:
+        """D_Breg(θ, θ̃) = ℓ_s(f(x; θ), f(x; θ̃)) (004 eq. 6); the teacher runs under no_grad."""
+        with torch.no_grad():
+            out = self._forward(model, task, batch, rng, params=self.teacher)
+        return divergence(task, smart_output(task, clean), smart_output(task, out).detach())
+
+
+def build_regulariser(cfg: TrainConfig, model) -> SmartRegulariser | None:
+    """None when every λ and μ are 0: the trainer then adds nothing (the plain loss)."""
     if all(cfg.smart_lambda(t) == 0 for t in TASKS) and cfg.smart_mu == 0:
         return None
-    raise NotImplementedError("SMART is not implemented yet")
+    return SmartRegulariser(cfg, model)
