@@ -185,16 +185,7 @@ class TrainConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not a UTF-8 text file") from None
-        try:
-            values = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        values = read_yaml_file(path, "config file") or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
         values.update(overrides or {})
@@ -226,6 +217,21 @@ class TrainConfig:
 @functools.cache
 def _type_hints() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
+
+
+def read_yaml_file(path: Path, what: str, error: type[ConfigError] = ConfigError) -> Any:
+    """``yaml.safe_load`` of a UTF-8 file; unreadable or invalid files raise ``error``
+    naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a UTF-8 text file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: invalid YAML: {exc}") from None
 
 
 def _field_type(f: dataclasses.Field) -> Any:

@@ -120,7 +120,19 @@ def shared_data_dir() -> str:
     return str(SHARED_DATA)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP contention
+    (use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir, tiny_data_dir):
     """A fast TrainConfig on the tiny model and tiny data; pass overrides as kwargs."""
     from mtbert.config import TrainConfig

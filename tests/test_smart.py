@@ -22,26 +22,12 @@ from mtbert.trainer import Trainer
 MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, tiny_data_dir):
-    from mtbert.config import TrainConfig
-
-    def make(**overrides):
-        base = dict(model=tiny_model_dir, data_dir=tiny_data_dir, batch_size=8, epochs=1,
-                    eval_batch_size=32, max_length=32, progress=False, threads=1, lr=1e-3,
-                    warmup_ratio=0.0)
-        base.update(overrides)
-        return TrainConfig(**base)
-    return make, load_data(make())
+def setup(tiny_config):
+    return tiny_config, load_data(tiny_config())
 
 
 def model_for(cfg, seed=0, double=False):

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from mtbert.config import TrainConfig, coerce_value, field_kind, field_range
+from mtbert.config import TrainConfig, coerce_value, field_kind, field_range, read_yaml_file
 from mtbert.errors import ConfigError
 
 #: fields that shape the tokenised data: one value per search (set by the driver)
@@ -174,17 +173,7 @@ def available_spaces(spaces_dir: str | Path | None = None) -> list[str]:
 def load_space(name_or_path: str, spaces_dir: str | Path | None = None) -> SearchSpace:
     """Load and validate one space; raises :class:`SpaceError` naming the file and key."""
     path = resolve_space_path(name_or_path, spaces_dir)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpaceError(f"{path}: cannot read search space ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise SpaceError(f"{path}: not a UTF-8 text file") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpaceError(f"{path}: invalid YAML: {exc}") from None
-    return parse_space(doc, path)
+    return parse_space(read_yaml_file(path, "search space", SpaceError), path)
 
 
 def parse_space(doc: Any, path: str | Path) -> SearchSpace:
