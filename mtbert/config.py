@@ -118,8 +118,9 @@ class TrainConfig:
         "SMART smoothness weight for QQP (0 = off)", low=0.0))
     smart_lambda_sts: float = field(default=0.0, metadata=_meta(
         "SMART smoothness weight for STS (0 = off)", low=0.0))
-    smart_eps: float = field(default=1e-5, metadata=_meta(
-        "SMART perturbation radius (inf-norm ball)", low=0.0, low_open=True))
+    smart_eps: float = field(default=1e-3, metadata=_meta(
+        "SMART perturbation radius (inf-norm ball on the word embeddings, whose entries are "
+        "~0.05 in MiniLM; 1e-3 = one ascent step of the default size)", low=0.0, low_open=True))
     smart_noise: float = field(default=1e-5, metadata=_meta(
         "variance of SMART's initial noise", low=0.0, low_open=True))
     smart_steps: int = field(default=1, metadata=_meta("SMART ascent steps", low=1, high=10))
