@@ -34,6 +34,7 @@ class MlflowTrialCallback(Callback):
         self.base = dict(base)
         self.max_examples = int(max_examples)
         self.rungs = list(rungs)
+        self._nodes: dict[str, list[str]] = {}  # trial id -> Ray node ids it reported from
 
     def _run_for(self, trial) -> str:
         return self.tracker.child_run(trial.trial_id, str(trial),
@@ -54,6 +55,13 @@ class MlflowTrialCallback(Callback):
                                               or k in LOGGED_RUN_KEYS)}
         step = int(result.get("examples_seen", result.get("training_iteration", 0)))
         self.tracker.log_trial_result(trial.trial_id, metrics, step)
+        node = result.get("node_id")
+        if node and self._nodes.get(trial.trial_id, [None])[-1] != node:
+            # tag node_id = where it runs now; node_ids = every node it ran on (node loss)
+            nodes = self._nodes.setdefault(trial.trial_id, [])
+            nodes.append(node)
+            self.tracker.set_tags(self._run_for(trial), {"node_id": node,
+                                                         "node_ids": ",".join(nodes)})
 
     def on_trial_recover(self, iteration, trials, trial, **info):
         run_id = self._run_for(trial)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -25,11 +26,13 @@ from typing import Any
 from mtbert.config import EMBEDDED_MODEL, TrainConfig
 from mtbert.errors import ConfigError, MtbertError
 from mtbert.tune.budgets import BUDGETS, Budget, get_budget
+from mtbert.tune import storage as st
 from mtbert.tune.spaces import SearchSpace, list_spaces, load_space, parse_space
 
 OBJECTIVE = "val/overall"
 MODE = "max"
 SETTINGS_FILE = "mtbert_search.json"
+STAGED_CHECKPOINTS = "_checkpoints"  # local copies of a URI storage's best checkpoints
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 
 
@@ -62,16 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Optuna TPE (seeded) or random search (baseline)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
-                   help="Ray results folder (default ./ray_results)")
+                   help="Ray results: a local folder (default ./ray_results) or, for a "
+                        "multi-node cluster, a shared folder or a URI every node reaches "
+                        "(s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///PATH; a URI "
+                        "needs --mlflow-uri)")
     p.add_argument("--experiment", help="experiment name (default SPACE-BUDGET-TIMESTAMP)")
     p.add_argument("--mlflow-uri",
                    help="MLflow tracking URI (default sqlite:///STORAGE/mlflow.db, no server)")
+    p.add_argument("--mlflow-fallback-local", action="store_true",
+                   help="if the --mlflow-uri server is unreachable at start, log to the "
+                        "local SQLite store instead of stopping (a warning says so)")
     p.add_argument("--ensemble-top-k", type=int, help="ensemble size (default: the budget's)")
     p.add_argument("--ensemble", default="vote", choices=["vote", "greedy"],
                    help="vote: mode (SST, QQP) / median (STS); greedy: Caruana selection on val")
     p.add_argument("--max-failures", type=int, default=2,
                    help="retries of a trial whose worker died, from its last checkpoint")
-    p.add_argument("--address", help="join this Ray cluster (e.g. auto or HOST:6379)")
+    p.add_argument("--address",
+                   help="join this running Ray cluster: auto (the one on this machine), "
+                        "HOST:PORT (its GCS, e.g. HEAD:6379) or ray://HOST:10001")
     p.add_argument("--resume", action="store_true",
                    help="continue --experiment after a crash (Tuner.restore)")
     return p
@@ -85,37 +96,84 @@ class Plan:
     budget: Budget
     num_samples: int
     top_k: int
-    storage: Path
+    storage: Path            # local root: the storage folder, or the staging folder of a URI
     experiment: str
-    exp_dir: Path
+    exp_dir: Path            # local: the experiment folder (or its staging copy for a URI)
     mlflow_uri: str
     base: dict[str, Any]
     resume: bool
+    storage_uri: str | None = None   # --storage-path as a URI (s3://, gs://, file://, ...)
+    mlflow_fallback: str | None = None  # the unreachable --mlflow-uri replaced by local SQLite
+
+    @property
+    def exp_uri(self) -> str | None:
+        return st.join(self.storage_uri, self.experiment) if self.storage_uri else None
+
+    @property
+    def ray_storage(self) -> str:
+        """``RunConfig(storage_path=...)``."""
+        return self.storage_uri or str(self.storage)
+
+    @property
+    def ray_experiment(self) -> str:
+        """The experiment's location for Ray (``Tuner.restore``) and for users."""
+        return self.exp_uri or str(self.exp_dir)
+
+    def public(self, path: str | Path | None) -> str | None:
+        """A path under the local experiment folder as users find it (the URI copy)."""
+        if path is None or not self.exp_uri:
+            return None if path is None else str(path)
+        try:
+            rel = Path(path).resolve().relative_to(self.exp_dir.resolve())
+        except ValueError:
+            return str(path)
+        return st.join(self.exp_uri, *rel.parts) if rel.parts else self.exp_uri
 
 
 # ---------------------------------------------------------------------- validation
 def validate(args: argparse.Namespace) -> Plan:
     """Check every CLI value and the space; raises MtbertError; writes nothing."""
-    from mtbert.tune.tracking import check_tracking_uri, default_tracking_uri
+    from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
-    storage = Path(args.storage_path).expanduser().resolve()
-    if storage.exists() and not storage.is_dir():
-        raise ConfigError(f"--storage-path {args.storage_path}: exists and is not a folder")
-    _check_creatable(storage, f"--storage-path {args.storage_path}")
+    storage_uri: str | None = None
+    if st.is_uri(args.storage_path):
+        storage_uri = st.check_uri(args.storage_path)
+        folder = st.local_path_of(storage_uri)
+        if folder is not None:  # file:// -- a (shared) local filesystem: same checks
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"--storage-path {args.storage_path}: exists and is not a "
+                                  "folder")
+            _check_creatable(folder, f"--storage-path {args.storage_path}")
+        storage = st.staging_root(storage_uri)
+    else:
+        storage = Path(args.storage_path).expanduser().resolve()
+        if storage.exists() and not storage.is_dir():
+            raise ConfigError(f"--storage-path {args.storage_path}: exists and is not a folder")
+        _check_creatable(storage, f"--storage-path {args.storage_path}")
     resume = bool(args.resume)
     saved: dict[str, Any] | None = None
     if resume:
         if not args.experiment:
             raise ConfigError("--resume needs --experiment NAME (the search to continue)")
-        exp_dir = storage / args.experiment
-        saved_file = exp_dir / SETTINGS_FILE
-        if not saved_file.is_file():
-            raise ConfigError(f"--resume: no search to resume in {exp_dir} (no {SETTINGS_FILE})")
-        saved = json.loads(saved_file.read_text(encoding="utf-8"))
+        if storage_uri:
+            where = st.join(storage_uri, args.experiment)
+            text = st.read_text(st.join(where, SETTINGS_FILE))
+        else:
+            where = storage / args.experiment
+            saved_file = where / SETTINGS_FILE
+            text = saved_file.read_text(encoding="utf-8") if saved_file.is_file() else None
+        if text is None:
+            raise ConfigError(f"--resume: no search to resume in {where} (no {SETTINGS_FILE})")
+        saved = json.loads(text)
         # the original settings win: the data, space and budget must not drift
         for key, value in saved["args"].items():
-            if key not in ("resume", "address"):
+            if key not in ("resume", "address", "mlflow_fallback_local"):
                 setattr(args, key, value)
+    if storage_uri and not args.mlflow_uri:
+        raise ConfigError(f"--storage-path {args.storage_path}: a URI storage needs "
+                          "--mlflow-uri (an MLflow server http://HOST:5000, or "
+                          "sqlite:///PATH.db): the default SQLite store lives in a local "
+                          "storage folder")
     if args.space is None:
         raise ConfigError("--space is required (see --list-spaces)")
     space = parse_space(saved["space"], saved["space_path"]) if saved else load_space(args.space)
@@ -155,9 +213,12 @@ def validate(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '.', '_' and '-' "
                           "(it names a folder)")
     exp_dir = storage / experiment
-    if not resume and exp_dir.exists():
-        raise ConfigError(f"--experiment {experiment}: {exp_dir} already exists; pass --resume "
-                          "to continue it or choose another name")
+    if not resume:
+        where = st.join(storage_uri, experiment) if storage_uri else exp_dir
+        taken = st.exists(where) if storage_uri else exp_dir.exists()
+        if taken:
+            raise ConfigError(f"--experiment {experiment}: {where} already exists; pass "
+                              "--resume to continue it or choose another name")
     data_dir = Path(args.data_dir).expanduser()
     if not data_dir.is_dir():
         raise ConfigError(f"--data-dir {args.data_dir}: folder not found (expected the CS 224N "
@@ -168,9 +229,18 @@ def validate(args: argparse.Namespace) -> Plan:
         resolve_model_path(model)  # raises a ConfigError naming the problem
         model = str(Path(model).expanduser().resolve())
     mlflow_uri = args.mlflow_uri or default_tracking_uri(storage)
-    check_tracking_uri(mlflow_uri)
-    if args.address is not None and not args.address.strip():
-        raise ConfigError("--address: empty")
+    mlflow_fallback = None
+    try:
+        check_tracking_uri(mlflow_uri)
+    except TrackingError as exc:
+        if not (args.mlflow_fallback_local and mlflow_uri.startswith(("http://", "https://"))):
+            raise
+        mlflow_fallback, mlflow_uri = mlflow_uri, default_tracking_uri(storage)
+        check_tracking_uri(mlflow_uri)
+        print(f"warning: {exc}; --mlflow-fallback-local: logging to {mlflow_uri} instead",
+              file=sys.stderr, flush=True)
+    if args.address is not None:
+        check_ray_address(args.address)
 
     from mtbert.data import default_cache_dir
     base = {
@@ -188,15 +258,63 @@ def validate(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"{exc} (from the driver's arguments and the space's fixed values)",
                           key=exc.key) from None
     return Plan(args, space, budget, num_samples, top_k, storage, experiment, exp_dir,
-                mlflow_uri, base, resume)
+                mlflow_uri, base, resume, storage_uri, mlflow_fallback)
+
+
+def check_ray_address(address: str, timeout: float = 3.0) -> str:
+    """Fail fast on a Ray cluster that is not there (``ray.init`` would retry for minutes).
+
+    ``auto``: the cluster ``ray start`` left on this machine (or ``$RAY_ADDRESS``);
+    ``HOST:PORT`` / ``ray://HOST:PORT``: a TCP connection to it within ``timeout``
+    seconds.  Returns ``HOST:PORT``; raises :class:`ConfigError`."""
+    text = address.strip()
+    if not text:
+        raise ConfigError("--address: empty (use auto, HOST:PORT or ray://HOST:PORT)")
+    if text == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+        try:
+            target = canonicalize_bootstrap_address("auto")
+        except (ConnectionError, ValueError) as exc:
+            raise ConfigError(f"--address auto: no running Ray cluster found on this machine "
+                              f"({exc}); start one with `ray start --head` or give "
+                              "--address HOST:PORT") from None
+        if not target:
+            raise ConfigError("--address auto: no running Ray cluster found on this machine")
+    else:
+        target = text[len("ray://"):] if text.startswith("ray://") else text
+    host, sep, port = target.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or "/" in target or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise ConfigError(f"--address {address}: expected auto, HOST:PORT (the head's GCS "
+                          "port, e.g. 10.0.0.5:6379) or ray://HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"--address {address}: no Ray cluster reachable at {host}:{port} "
+                          f"({reason} within {timeout:g} s); start it (ray start --head "
+                          f"--port={port}) or fix the address") from None
+    return f"{host}:{port}"
 
 
 def _check_creatable(folder: Path, what: str) -> None:
     probe = folder
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
+    if not probe.is_dir() or not os.access(probe, os.W_OK) or not _can_mkdir(probe):
         raise ConfigError(f"{what}: cannot create a folder under {probe}")
+
+
+def _can_mkdir(folder: Path) -> bool:
+    """Really try (and undo): ``os.access`` says yes to root even on /proc or a read-only
+    mount."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mtbert-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- main
@@ -223,11 +341,19 @@ def main(argv: list[str] | None = None) -> int:
               f"(model {plan.base['model']}) ...", flush=True)
         data = load_data(TrainConfig.from_dict(plan.base, source="driver"))
     except MtbertError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     budget = plan.budget.resolved(sum(data.train_sizes().values()))
     plan.base.update(budget.trial_fields())
     return run_search(plan, budget, data)
+
+
+def one_line(message: str) -> str:
+    """The CLI's contract is one ``error:`` line: fold a multi-line message (a YAML
+    parser's, with its source excerpt and ``^`` marker) into one."""
+    parts = [ln.strip() for ln in message.splitlines()]
+    parts = [p for p in parts if p and set(p) != {"^"}]
+    return "; ".join(p.rstrip(":") if i < len(parts) - 1 else p for i, p in enumerate(parts))
 
 
 def _trial_name(trial) -> str:
@@ -248,7 +374,7 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
         if args.address:
             ray.init(address=args.address, log_to_driver=True)
         else:
-            ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+            start_local_ray()
         started_ray = True
     try:
         url = _dashboard_url()
@@ -261,21 +387,34 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
                   f"{cpus:g} CPUs", file=sys.stderr)
             return 2
         if args.gpus_per_trial > 0 and args.gpus_per_trial > gpus:
-            print(f"error: --gpus-per-trial {args.gpus_per_trial:g}: the Ray cluster has "
-                  f"{gpus:g} GPUs", file=sys.stderr)
-            return 2
+            if not (args.address and args.max_concurrent):
+                print(f"error: --gpus-per-trial {args.gpus_per_trial:g}: the Ray cluster has "
+                      f"{gpus:g} GPUs (on an autoscaling cluster whose GPU workers start at 0, "
+                      "also give --max-concurrent N: trials then wait for the autoscaler)",
+                      file=sys.stderr)
+                return 2
+            print(f"[tune] the Ray cluster has {gpus:g} GPUs now: the {args.max_concurrent} "
+                  "trials at once wait for the autoscaler to add GPU nodes", flush=True)
         max_concurrent = args.max_concurrent or _auto_concurrency(cpus, gpus, args)
 
+        if plan.storage_uri and not plan.resume:
+            st.reset_staging(plan.exp_dir)  # a stale staging copy of an earlier search
         plan.exp_dir.mkdir(parents=True, exist_ok=True)
         if not plan.resume:
             _write_settings(plan, budget)
-        tracker = SearchTracker(plan.mlflow_uri, f"mtbert/{plan.space.name}", plan.exp_dir)
+        elif plan.storage_uri:
+            settings = st.read_text(st.join(plan.exp_uri, SETTINGS_FILE))
+            (plan.exp_dir / SETTINGS_FILE).write_text(settings, encoding="utf-8")
+        tracker = SearchTracker(plan.mlflow_uri, f"mtbert/{plan.space.name}",
+                                plan.exp_uri or plan.exp_dir, fresh=not plan.resume)
+        tags = {"space": plan.space.name, "budget": budget.name,
+                "ray_experiment": plan.ray_experiment}
+        if plan.mlflow_fallback:
+            tags["mlflow_fallback_from"] = plan.mlflow_fallback
         parent = tracker.start_parent(plan.experiment, _parent_params(plan, budget,
-                                                                      max_concurrent),
-                                      {"space": plan.space.name, "budget": budget.name,
-                                       "ray_experiment": str(plan.exp_dir)})
+                                                                      max_concurrent), tags)
         tracker.log_artifact(parent, plan.exp_dir / SETTINGS_FILE)
-        print(f"[tune] experiment {plan.exp_dir}  |  MLflow {plan.mlflow_uri} "
+        print(f"[tune] experiment {plan.ray_experiment}  |  MLflow {plan.mlflow_uri} "
               f"(experiment mtbert/{plan.space.name}, parent run {parent})", flush=True)
         print(f"[tune] space {plan.space.name}: {', '.join(plan.space.searched)}; budget "
               f"{budget.name}: {budget.max_examples} examples/trial, eval every "
@@ -283,14 +422,19 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
               f"{budget.reduction_factor:g}; {plan.num_samples} trials, {max_concurrent} at once",
               flush=True)
 
+        # on resume: trials that had ended before the driver died must not train again;
+        # Ray replays them from its snapshot, where such a trial may have no result yet
+        ended = tracker.freeze_ended() if plan.resume else {}
+        if ended:
+            os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
         trainable = tune.with_resources(
-            tune.with_parameters(train_trial, data=data, base=plan.base),
+            tune.with_parameters(train_trial, data=data, base=plan.base, ended=ended),
             {"cpu": args.cpus_per_trial, "gpu": args.gpus_per_trial})
         callback = MlflowTrialCallback(tracker, plan.base, budget.max_examples,
                                        budget.rungs())
-        if plan.resume and tune.Tuner.can_restore(str(plan.exp_dir)):
-            print(f"[tune] resuming {plan.exp_dir} (Tuner.restore)", flush=True)
-            tuner = tune.Tuner.restore(str(plan.exp_dir), trainable=trainable,
+        if plan.resume and tune.Tuner.can_restore(plan.ray_experiment):
+            print(f"[tune] resuming {plan.ray_experiment} (Tuner.restore)", flush=True)
+            tuner = tune.Tuner.restore(plan.ray_experiment, trainable=trainable,
                                        resume_unfinished=True, resume_errored=False,
                                        param_space=plan.space.param_space())
         else:
@@ -303,7 +447,7 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
                     scheduler=_scheduler(budget),
                     trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
                 run_config=tune.RunConfig(
-                    name=plan.experiment, storage_path=str(plan.storage),
+                    name=plan.experiment, storage_path=plan.ray_storage,
                     checkpoint_config=tune.CheckpointConfig(
                         num_to_keep=2, checkpoint_score_attribute=OBJECTIVE,
                         checkpoint_score_order=MODE),
@@ -314,6 +458,14 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def start_local_ray(**kwargs):
+    """A one-machine Ray whose dashboard listens on 127.0.0.1 only (reach it from another
+    machine with an SSH port-forward)."""
+    import ray
+    return ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+                    **kwargs)
 
 
 def _dashboard_url() -> str | None:
@@ -360,11 +512,14 @@ def _write_settings(plan: Plan, budget: Budget) -> None:
                 "budget": budget.to_dict(), "base": plan.base, "num_samples": plan.num_samples,
                 "experiment": plan.experiment, "mlflow_uri": plan.mlflow_uri}
     settings["args"].update(experiment=plan.experiment, mlflow_uri=plan.mlflow_uri,
-                            storage_path=str(plan.storage), data_dir=plan.base["data_dir"],
+                            storage_path=plan.storage_uri or str(plan.storage),
+                            data_dir=plan.base["data_dir"],
                             model=plan.base["model"], num_samples=plan.num_samples,
                             ensemble_top_k=plan.top_k)
-    (plan.exp_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, default=str),
-                                              encoding="utf-8")
+    text = json.dumps(settings, indent=2, default=str)
+    (plan.exp_dir / SETTINGS_FILE).write_text(text, encoding="utf-8")
+    if plan.exp_uri:
+        st.write_text(st.join(plan.exp_uri, SETTINGS_FILE), text)
 
 
 def _parent_params(plan: Plan, budget: Budget, max_concurrent: int) -> dict[str, Any]:
@@ -375,7 +530,8 @@ def _parent_params(plan: Plan, budget: Budget, max_concurrent: int) -> dict[str,
               "split_seed": plan.base.get("split_seed", 0), "model": plan.base["model"],
               "data_dir": plan.base["data_dir"], "ensemble": a.ensemble,
               "ensemble_top_k": plan.top_k, "max_failures": a.max_failures,
-              "address": a.address or "local", "objective": OBJECTIVE}
+              "address": a.address or "local", "objective": OBJECTIVE,
+              "storage": plan.ray_storage}
     params.update({f"budget.{k}": v for k, v in budget.to_dict().items() if k != "name"})
     for key, p in plan.space.params.items():
         params[f"space.{key}"] = p.describe()
@@ -396,6 +552,16 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     for r in records:
         r.mlflow_run_id = children.get(r.trial_id, {}).get("run_id")
     ranked = fz.ranked(records)
+    stored_checkpoint: dict[str, str] = {}  # trial id -> its best checkpoint's URI
+    if plan.storage_uri:  # local copies: metrics + val predictions; the model for finalists
+        finalist_ids = {r.trial_id for r in ranked[:plan.top_k]}
+        for r in records:
+            if r.best_checkpoint:
+                stored_checkpoint[r.trial_id] = st.uri_of(plan.storage_uri, r.best_checkpoint)
+                r.best_checkpoint = str(st.download_checkpoint(
+                    plan.storage_uri, r.best_checkpoint,
+                    exp_dir / STAGED_CHECKPOINTS / r.trial_id,
+                    with_state=r.trial_id in finalist_ids))
     searched_keys = list(plan.space.searched)
     counts = {"trials": len(records),
               "completed": sum(r.status == "completed" for r in records),
@@ -466,16 +632,21 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     _log_to_mlflow(plan, tracker, parent_run, records, finalists, preds, data, ensemble,
                    summary, exp_dir)
     summary["mlflow"]["ensemble_run_id"] = tracker.state.get("ensemble_run_id")
+    if plan.storage_uri:  # name where the files live for users: the URI, not the staging copy
+        _public_paths(plan, summary, stored_checkpoint)
     (exp_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str),
                                           encoding="utf-8")
     (exp_dir / "summary.md").write_text(fz.summary_markdown(summary), encoding="utf-8")
     tracker.log_artifact(parent_run, exp_dir / "summary.json")
     tracker.log_artifact(parent_run, exp_dir / "summary.md")
+    if plan.exp_uri:
+        st.upload_tree(exp_dir, plan.exp_uri, skip=(STAGED_CHECKPOINTS,))
     tracker.finish(parent_run, "FINISHED" if finalists else "FAILED")
 
     print()
     print(fz.console_table(summary))
-    print(f"[tune] summary: {exp_dir / 'summary.json'}  |  {exp_dir / 'summary.md'}")
+    print(f"[tune] summary: {plan.public(exp_dir / 'summary.json')}  |  "
+          f"{plan.public(exp_dir / 'summary.md')}")
     print(f"[tune] compare runs: mlflow ui --backend-store-uri {plan.mlflow_uri} "
           "--host 127.0.0.1")
     if not finalists:
@@ -483,6 +654,21 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
               f"{exp_dir / 'summary.md'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _public_paths(plan: Plan, summary: dict[str, Any], stored: dict[str, str]) -> None:
+    """Rewrite the summary's local staging paths to their URIs under --storage-path."""
+    summary["experiment_dir"] = plan.exp_uri
+    best = summary.get("best_trial")
+    if best:
+        best["checkpoint"] = stored.get(best["trial_id"], best["checkpoint"])
+        best["predictions"] = plan.public(best["predictions"])
+    if summary.get("ensemble"):
+        summary["ensemble"]["predictions"] = plan.public(summary["ensemble"]["predictions"])
+    for t in summary["trials"]:
+        if t.get("best_checkpoint"):
+            t["best_checkpoint"] = stored.get(t["trial_id"], t["best_checkpoint"])
+    summary["report_files"] = {k: plan.public(v) for k, v in summary["report_files"].items()}
 
 
 def _cuda() -> bool:

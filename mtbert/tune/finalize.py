@@ -52,14 +52,17 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int]) -> list[Tri
                     or c in ("examples_seen", "timestamp", "training_iteration")]
             for row in df[keep].to_dict("records"):
                 history.append(_scalars(row))
+            history = _dedup_history(history)
         best, best_path = {}, None
-        for checkpoint, metrics in (result.best_checkpoints or []):
+        for path, metrics in _checkpoints(result):
             score = metrics.get(OBJECTIVE)
             if score is None or not math.isfinite(score):
                 continue
             if not best or score > best[OBJECTIVE]:
-                best, best_path = _scalars(metrics), checkpoint.path
+                best, best_path = _scalars(metrics), path
         seen = int((result.metrics or {}).get("examples_seen", 0))
+        # after a driver crash Ray's restored last result can lag its own result log
+        seen = max([seen] + [int(h["examples_seen"]) for h in history if "examples_seen" in h])
         if result.error is not None:
             status = "error"
         elif seen < max_examples:
@@ -73,6 +76,47 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int]) -> list[Tri
             rung_reached=rung_reached(seen, rungs),
             error=summarize_error(str(result.error)) if result.error is not None else ""))
     return records
+
+
+def _checkpoints(result) -> list[tuple[str, dict]]:
+    """(path, metrics) of the trial's checkpoints that exist: those Ray lists, and any
+    other ``checkpoint_*`` folder of the trial (its ``metrics.json``).
+
+    After a driver crash Ray's restored list can lag the trial folder: it may name a
+    checkpoint that ``num_to_keep`` has deleted since, and miss newer ones."""
+    import pyarrow.fs
+    fs = getattr(result, "filesystem", None) or pyarrow.fs.LocalFileSystem()
+    out: dict[str, dict] = {}
+    for checkpoint, metrics in (result.best_checkpoints or []):
+        if fs.get_file_info(checkpoint.path).type != pyarrow.fs.FileType.NotFound:
+            out[checkpoint.path] = metrics
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(result.path))
+    except (OSError, FileNotFoundError):
+        infos = []
+    for info in infos:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        if (info.type != pyarrow.fs.FileType.Directory or not name.startswith("checkpoint_")
+                or info.path in out):
+            continue
+        try:
+            with fs.open_input_stream(f"{info.path}/metrics.json") as fh:
+                out[info.path] = json.loads(fh.read().decode("utf-8"))
+        except (OSError, FileNotFoundError, ValueError):
+            continue
+    return sorted(out.items())
+
+
+def _dedup_history(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """One evaluation per ``examples_seen`` (the last one): a trial resumed after a driver
+    crash from an older checkpoint than its last report redoes those evaluations, and
+    Ray's result log keeps both copies."""
+    by_seen: dict[float, dict[str, float]] = {}
+    for h in history:
+        key = h.get("examples_seen", float(len(by_seen)))
+        by_seen.pop(key, None)
+        by_seen[key] = h
+    return list(by_seen.values())
 
 
 def ranked(records: list[TrialRecord]) -> list[TrialRecord]:

@@ -16,7 +16,9 @@ Layout in the MLflow experiment ``mtbert/<space>``:
 :class:`~mtbert.tune.callback.MlflowTrialCallback` is a ``ray.tune.Callback``: Tune calls it in the driver on
 every trial start/result/completion/error.  Run ids and the last logged step of each
 trial are kept in ``<experiment dir>/mtbert_mlflow.json``, so a resumed search
-(``Tuner.restore``) reuses its runs and never logs a step twice.
+(``Tuner.restore``) reuses its runs and never logs a step twice.  With a URI
+``--storage-path`` (``s3://...``) that file is read and written there through
+``pyarrow.fs``, so a search resumed from another machine finds its runs too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from typing import Any
 from mtbert.errors import MtbertError
 
 STATE_FILE = "mtbert_mlflow.json"
+#: state file -> its state, shared by every tracker of this process: on ``Tuner.restore``
+#: Ray unpickles the callback (and its tracker) from the experiment, beside the driver's own
+#: tracker; both must see the same run ids, or the driver's end-of-search steps would miss
+#: the trials started after the restore and overwrite the file with stale ids
+_SHARED_STATES: dict[str, dict[str, Any]] = {}
 LOGGED_RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
 
 
@@ -83,8 +90,18 @@ def _check_creatable(folder: Path, what: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise TrackingError(f"{what}: {probe} is not a folder")
-    if not os.access(probe, os.W_OK):
+    if not os.access(probe, os.W_OK) or not _can_mkdir(probe):
         raise TrackingError(f"{what}: {probe} is not writable")
+
+
+def _can_mkdir(folder: Path) -> bool:
+    """Really try (and undo): ``os.access`` says yes to root even on a read-only mount."""
+    import tempfile
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mtbert-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def artifact_root_for(uri: str) -> str | None:
@@ -99,12 +116,18 @@ def artifact_root_for(uri: str) -> str | None:
 class SearchTracker:
     """Thin wrapper over ``MlflowClient`` keeping run ids in a JSON state file."""
 
-    def __init__(self, tracking_uri: str, experiment_name: str, state_dir: str | Path):
+    def __init__(self, tracking_uri: str, experiment_name: str, state_dir: str | Path,
+                 fresh: bool = False):
+        from mtbert.tune.storage import is_uri, join
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
-        self.state_path = Path(state_dir) / STATE_FILE
+        # a local Path, or a URI string (s3://..., file://...) read/written with pyarrow.fs
+        self.state_path: Path | str = (join(str(state_dir), STATE_FILE) if is_uri(str(state_dir))
+                                       else Path(state_dir) / STATE_FILE)
         self._client = None
         self._state: dict[str, Any] | None = None
+        if fresh:  # a new search: nothing cached from an earlier one at the same place
+            _SHARED_STATES.pop(str(self.state_path), None)
 
     # pickled inside Ray's experiment state: drop the client, keep the settings
     def __getstate__(self):
@@ -114,7 +137,9 @@ class SearchTracker:
     def __setstate__(self, state):
         self.tracking_uri = state["tracking_uri"]
         self.experiment_name = state["experiment_name"]
-        self.state_path = Path(state["state_path"])
+        from mtbert.tune.storage import is_uri
+        path = state["state_path"]
+        self.state_path = path if is_uri(path) else Path(path)
         self._client = None
         self._state = None
 
@@ -127,14 +152,26 @@ class SearchTracker:
 
     @property
     def state(self) -> dict[str, Any]:
+        if self._state is None and str(self.state_path) in _SHARED_STATES:
+            self._state = _SHARED_STATES[str(self.state_path)]
         if self._state is None:
-            if self.state_path.is_file():
-                self._state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            if isinstance(self.state_path, str):
+                from mtbert.tune.storage import read_text
+                text = read_text(self.state_path)
+            elif self.state_path.is_file():
+                text = self.state_path.read_text(encoding="utf-8")
             else:
-                self._state = {"tracking_uri": self.tracking_uri, "children": {}}
+                text = None
+            self._state = (json.loads(text) if text is not None
+                           else {"tracking_uri": self.tracking_uri, "children": {}})
+            _SHARED_STATES[str(self.state_path)] = self._state
         return self._state
 
     def save(self) -> None:
+        if isinstance(self.state_path, str):
+            from mtbert.tune.storage import write_text
+            write_text(self.state_path, json.dumps(self.state, indent=2))
+            return
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
         tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
@@ -207,6 +244,8 @@ class SearchTracker:
 
     def mark_running(self, trial_id: str) -> None:
         """A trial (re)starts: a run closed before a crash/restore is RUNNING again."""
+        if self.frozen(trial_id):
+            return
         child = self.state["children"].get(trial_id)
         if child and child.get("status") not in (None, "RUNNING"):
             self.client.update_run(child["run_id"], status="RUNNING")
@@ -216,7 +255,7 @@ class SearchTracker:
     def log_trial_result(self, trial_id: str, metrics: dict[str, float], step: int) -> bool:
         """Log one evaluation unless this step was logged before (resume); True if logged."""
         child = self.state["children"][trial_id]
-        if step <= child.get("last_step", -1):
+        if step <= child.get("last_step", -1) or self.frozen(trial_id):
             return False
         self.log_metrics(child["run_id"], metrics, step)
         child["last_step"] = step
@@ -225,12 +264,36 @@ class SearchTracker:
 
     def end_trial(self, trial_id: str, status: str, tags: dict[str, Any]) -> None:
         child = self.state["children"].get(trial_id)
-        if not child:
+        if not child or self.frozen(trial_id):
             return
         self.set_tags(child["run_id"], tags)
         self.client.set_terminated(child["run_id"], status=status)
         child["status"] = status
+        if tags.get("error_reason"):
+            child["error_reason"] = str(tags["error_reason"])
         self.save()
+
+    def ended_trials(self) -> dict[str, dict[str, str]]:
+        """Trials whose end this tracker recorded: ``{trial_id: {status, error_reason}}``.
+
+        Written the moment Tune ends a trial (completed, stopped by ASHA or failed), so
+        it is more current than Ray's experiment snapshot, which a killed driver may have
+        left a step behind (a trial stopped just before the kill still RUNNING there)."""
+        return {tid: {"status": c["status"], "error_reason": c.get("error_reason", "")}
+                for tid, c in self.state.get("children", {}).items()
+                if c.get("status") in ("FINISHED", "FAILED")}
+
+    def freeze_ended(self) -> dict[str, dict[str, str]]:
+        """On resume: the trials that had ended keep their runs as they are (Ray may
+        replay them from a stale snapshot: no RUNNING again, no new tags)."""
+        ended = self.ended_trials()
+        self.state["ended_before_resume"] = sorted(
+            set(self.state.get("ended_before_resume", [])) | set(ended))
+        self.save()
+        return ended
+
+    def frozen(self, trial_id: str) -> bool:
+        return trial_id in self.state.get("ended_before_resume", ())
 
     def ensemble_run(self, run_name: str) -> str:
         run_id = self.state.get("ensemble_run_id")

@@ -8,7 +8,8 @@ scored only for the ensemble finalists, by the driver).
 
 After every validation evaluation the trainer writes a checkpoint folder (model state
 and that evaluation's validation predictions as Parquet) and calls back; the callback
-hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)`` -- Ray
+hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)``
+(plus ``node_id``, the Ray node that ran the evaluation) -- Ray
 copies it to the storage path before the trainer overwrites it at the next evaluation.
 A retried trial (worker lost, ``FailureConfig``) resumes from ``tune.get_checkpoint()``.
 
@@ -61,12 +62,22 @@ def trial_config(base: dict[str, Any], config: dict[str, Any]):
         raise TrialFailed(f"invalid trial config: {exc}") from None
 
 
-def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None = None) -> None:
-    """Function trainable (see module docstring); ``data`` and ``base`` via with_parameters."""
+def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None = None,
+                ended: dict[str, dict[str, str]] | None = None) -> None:
+    """Function trainable (see module docstring); ``data`` and ``base`` via with_parameters.
+
+    ``ended`` (on ``--resume``): trials the driver had seen end before it died; Ray's
+    experiment snapshot may still list them as running, so Tuner.restore would train
+    them again -- they return at once (or fail again with their recorded reason)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from ray import tune
 
+    done = (ended or {}).get(tune.get_context().get_trial_id())
+    if done is not None:
+        if done["status"] == "FAILED":
+            raise TrialFailed(done.get("error_reason") or "failed before the search was resumed")
+        return  # ended before the driver restarted: nothing to train, nothing to report
     trial_dir = Path(tune.get_context().get_trial_dir())
     marker = trial_dir / FAILED_MARKER
     if marker.is_file():  # a retry of a deterministic failure: fail again at once
@@ -105,9 +116,12 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
     cfg = trial_config(base, config)
     work = Path(tempfile.mkdtemp(prefix="mtbert-trial-"))
 
+    import ray
+    node_id = ray.get_runtime_context().get_node_id()  # which node ran it (the IP may be shared)
+
     def report(metrics: dict, checkpoint_dir: str) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
-        tune.report(ray_metrics(metrics),
+        tune.report({**ray_metrics(metrics), "node_id": node_id},
                     checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
 
     try:

@@ -1,0 +1,169 @@
+"""Where a search keeps its results: a local folder (as before) or a URI that every node reaches.
+
+``--storage-path`` is either a local path (``ray_results``, ``/mnt/nfs/mtbert``: the
+driver writes its files there with plain file I/O, exactly as for a single machine) or
+a URI that ``pyarrow.fs.FileSystem.from_uri`` resolves and Ray Tune accepts as
+``RunConfig(storage_path=...)``: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``,
+``abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX``, ``hdfs://HOST:PORT/PATH`` or
+``file:///ABSOLUTE/PATH`` (a shared filesystem named as a URI).
+
+With a URI, Ray writes trial folders and checkpoints there itself; the driver's own
+files (``mtbert_search.json``, ``mtbert_mlflow.json``, ``summary.*``, report plots,
+ensemble predictions) are written to a local staging folder
+(``$MTBERT_CACHE/experiments/...``, default ``~/.cache/mtbert/experiments/...``) and
+copied to ``URI/<experiment>/`` -- the settings and MLflow-id files at once, everything
+else when the search ends -- so ``--resume`` works from any machine that reaches the URI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+from mtbert.errors import ConfigError
+
+_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+#: URI schemes that pyarrow resolves to a filesystem Ray Tune can use for storage
+SCHEMES = {"file": "LocalFileSystem", "s3": "S3FileSystem", "gs": "GcsFileSystem",
+           "gcs": "GcsFileSystem", "abfs": "AzureFileSystem", "abfss": "AzureFileSystem",
+           "hdfs": "HadoopFileSystem"}
+_BUCKETED = {"s3", "gs", "gcs", "abfs", "abfss"}
+_HINT = ("use a local folder or a URI: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+         "abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX, hdfs://HOST:PORT/PATH "
+         "or file:///ABSOLUTE/PATH")
+
+
+def is_uri(text: str) -> bool:
+    return bool(_URI_RE.match(str(text)))
+
+
+def check_uri(uri: str, what: str = "--storage-path") -> str:
+    """Syntax of a storage URI (no network); returns it without a trailing slash."""
+    m = _URI_RE.match(uri)
+    if not m:
+        raise ConfigError(f"{what} {uri}: not a URI; {_HINT}")
+    scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{what} {uri}: unsupported scheme {scheme!r}; {_HINT}")
+    import pyarrow.fs
+    if not hasattr(pyarrow.fs, SCHEMES[scheme]):
+        raise ConfigError(f"{what} {uri}: this pyarrow build has no {SCHEMES[scheme]} "
+                          f"(pyarrow {__import__('pyarrow').__version__})")
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise ConfigError(f"{what} {uri}: a file URI needs an absolute path "
+                              "(file:///ABSOLUTE/PATH)")
+    elif scheme in _BUCKETED:
+        bucket = rest.split("/", 1)[0].split("?", 1)[0]
+        if not bucket:
+            raise ConfigError(f"{what} {uri}: no bucket/container name; {_HINT}")
+    return uri.rstrip("/") if rest.rstrip("/") else uri
+
+
+def join(uri: str, *parts: str) -> str:
+    """``uri/part/...`` keeping a query string (``?endpoint_override=...``) at the end."""
+    base, sep, query = uri.partition("?")
+    return "/".join([base.rstrip("/"), *parts]) + (sep + query if sep else "")
+
+
+def filesystem(uri: str):
+    """``(pyarrow filesystem, path on it)``; may contact the service (credentials, region)."""
+    import pyarrow.fs
+    try:
+        return pyarrow.fs.FileSystem.from_uri(uri)
+    except Exception as exc:  # noqa: BLE001 -- pyarrow raises OSError / ArrowInvalid / ...
+        raise ConfigError(f"--storage-path: cannot open {uri} ({exc})") from None
+
+
+def local_path_of(uri: str) -> Path | None:
+    """The local folder a ``file://`` URI names (None for remote schemes)."""
+    m = _URI_RE.match(uri)
+    if m and m.group(1).lower() == "file":
+        return Path(m.group(2).split("?", 1)[0])
+    return None
+
+
+def exists(uri: str) -> bool:
+    import pyarrow.fs
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+
+
+def read_text(uri: str) -> str | None:
+    """The text of a file at a URI, or None when it does not exist."""
+    import pyarrow.fs
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as fh:
+        return fh.read().decode("utf-8")
+
+
+def write_text(uri: str, text: str) -> None:
+    fs, path = filesystem(uri)
+    parent = path.rsplit("/", 1)[0]
+    if parent:
+        fs.create_dir(parent, recursive=True)
+    with fs.open_output_stream(path) as fh:
+        fh.write(text.encode("utf-8"))
+
+
+def upload_tree(local_dir: Path, uri: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy a local folder's files to ``uri`` (overwriting), except top-level ``skip`` names."""
+    import pyarrow.fs
+    fs, root = filesystem(uri)
+    local_fs = pyarrow.fs.LocalFileSystem()
+    for path in sorted(Path(local_dir).rglob("*")):
+        rel = path.relative_to(local_dir)
+        if not path.is_file() or rel.parts[0] in skip:
+            continue
+        dest = f"{root.rstrip('/')}/{rel.as_posix()}"
+        fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        pyarrow.fs.copy_files(str(path), dest, source_filesystem=local_fs,
+                              destination_filesystem=fs)
+
+
+def download_checkpoint(uri: str, fs_path: str, dest: Path, with_state: bool) -> Path:
+    """Copy one checkpoint folder (``fs_path`` on the storage filesystem) to ``dest``.
+
+    Without ``with_state`` the model state (``state.pt``, the large file) is skipped:
+    metrics, config and validation predictions are enough for the MLflow artifacts."""
+    import pyarrow.fs
+    fs, _ = filesystem(uri)
+    local_fs = pyarrow.fs.LocalFileSystem()
+    dest.mkdir(parents=True, exist_ok=True)
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(fs_path, recursive=True)):
+        if info.type != pyarrow.fs.FileType.File:
+            continue
+        rel = info.path[len(fs_path.rstrip("/")) + 1:]
+        if rel == "state.pt" and not with_state:
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pyarrow.fs.copy_files(info.path, str(target), source_filesystem=fs,
+                              destination_filesystem=local_fs)
+    return dest
+
+
+def uri_of(uri: str, fs_path: str) -> str:
+    """The URI of a path on the filesystem of the storage root ``uri``."""
+    _, root = filesystem(uri)
+    root = root.rstrip("/")
+    if fs_path.startswith(root + "/"):
+        return join(uri, fs_path[len(root) + 1:])
+    return fs_path
+
+
+def staging_root(uri: str) -> Path:
+    """Local folder where the driver writes its files for a URI storage root."""
+    base = Path(os.environ.get("MTBERT_CACHE") or Path.home() / ".cache" / "mtbert").expanduser()
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", uri.split("?", 1)[0])[-60:].strip("_")
+    digest = hashlib.sha1(uri.encode("utf-8")).hexdigest()[:8]
+    return (base / "experiments" / f"{slug}-{digest}").resolve()
+
+
+def reset_staging(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,371 @@
+"""Faults a cluster search must survive, each on the real ``python tune_driver.py`` CLI with
+the tiny model, the tiny data and ``--budget smoke`` (192 examples per trial, a report and
+a checkpoint every 48):
+
+* a worker node is lost mid-trial (SIGKILL of its raylet on a two-node ``ray start``
+  cluster): the trial is retried from its last checkpoint on another node
+  (``FailureConfig``), every trial is accounted for, summary.json and MLflow agree;
+* the driver is killed (SIGKILL) mid-search: ``--resume`` (``Tuner.restore``) finishes
+  it; finished trials are not re-run and MLflow gets no duplicate runs or points (the
+  storage is a URI here, ``file:///...``: the resume reads its settings and MLflow ids
+  through pyarrow.fs as it would from ``s3://``);
+* a trial's loss turns non-finite: it stops with the reason in Ray's results, in
+  summary.json and in MLflow (status FAILED, tag ``error_reason``), the others go on;
+* the MLflow server is unreachable at start: a clear error before anything starts, or,
+  with ``--mlflow-fallback-local``, a warning and the local SQLite store.
+
+The searches run against clusters this module starts itself (tests/ray_cluster.py), so a
+killed driver leaves a live cluster behind for ``--resume`` and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_cluster import LocalRayCluster, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_MAX = 192  # --budget smoke: examples per trial
+
+
+def _cmd(model: str, data: str, storage: Path | str, db: Path | None, experiment: str,
+         *extra: str) -> list[str]:
+    cmd = [sys.executable, "tune_driver.py", "--space", "smoke", "--budget", "smoke",
+           "--model", model, "--data-dir", data, "--storage-path", str(storage),
+           "--experiment", experiment, "--seed", "0"]
+    if db is not None:
+        cmd += ["--mlflow-uri", f"sqlite:///{db}"]
+    return cmd + list(extra)
+
+
+def _trial_runs(db: Path) -> dict[str, dict]:
+    """trial id -> {run_id, status, node_id, examples_seen} straight from the SQLite store
+    (read-only queries while the driver writes)."""
+    if not db.exists():
+        return {}
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
+            rows = conn.execute(
+                "select r.run_uuid, r.status, t.value from runs r join tags t on "
+                "t.run_uuid = r.run_uuid and t.key = 'trial_id'").fetchall()
+            out = {}
+            for run_id, status, trial_id in rows:
+                node = conn.execute("select value from tags where run_uuid=? and key='node_id'",
+                                    (run_id,)).fetchone()
+                seen = conn.execute("select max(value) from metrics where run_uuid=? and "
+                                    "key='examples_seen'", (run_id,)).fetchone()
+                out[trial_id] = {"run_id": run_id, "status": status,
+                                 "node_id": node[0] if node else None,
+                                 "examples_seen": int(seen[0]) if seen and seen[0] else 0}
+            return out
+    except sqlite3.OperationalError:  # tables not created yet / busy
+        return {}
+
+
+def _metric_points(db: Path, run_id: str, key: str = "val/overall") -> list[int]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
+        return [s for (s,) in conn.execute(
+            "select step from metrics where run_uuid=? and key=? order by step", (run_id, key))]
+
+
+def _tags(db: Path, run_id: str) -> dict[str, str]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
+        return dict(conn.execute("select key, value from tags where run_uuid=?", (run_id,)))
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the driver ended ({proc.returncode}) before {what}")
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _mlflow_children(db: Path) -> tuple[list, list]:
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("mtbert/smoke")
+    runs = client.search_runs([exp.experiment_id])
+    return ([r for r in runs if r.data.tags.get("kind") == "trial"],
+            [r for r in runs if r.data.tags.get("kind") == "search"])
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+# ---------------------------------------------------------------------- node loss
+def test_worker_node_lost_mid_trial_resumes_from_checkpoint(tmp_path, tiny_model_dir,
+                                                            tiny_data_dir):
+    from ray.tune import ExperimentAnalysis
+
+    storage, db, num = tmp_path / "ray_results", tmp_path / "mlflow.db", 2
+    log = tmp_path / "driver.log"
+    with LocalRayCluster(tmp_path / "cluster-logs") as cluster:
+        # a head without CPUs (it schedules; the driver attaches there) and one worker node:
+        # trials run one at a time on the worker, so ASHA never stops the first trial (the
+        # first to reach a rung goes on) and the kill always lands mid-trial
+        cluster.start_head(num_cpus=0)
+        worker = cluster.add_worker(num_cpus=1)
+        with open(log, "w") as fh:
+            driver = subprocess.Popen(
+                _cmd(tiny_model_dir, tiny_data_dir, storage, db, "node-loss",
+                     "--address", cluster.address, "--num-samples", str(num),
+                     "--max-failures", "2"),
+                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            # a trial on the worker node that has reported (and checkpointed) but not finished
+            def victim():
+                for tid, r in _trial_runs(db).items():
+                    if (r["node_id"] == worker.node_id and r["status"] == "RUNNING"
+                            and 0 < r["examples_seen"] < SMOKE_MAX):
+                        return tid, r["examples_seen"]
+                return None
+            killed_trial, seen_at_kill = _wait_for(victim, driver, 150, "a trial ran on the "
+                                                   "worker node")
+            cluster.kill_raylet(worker)
+            cluster.wait_dead(worker)
+            # the replacement node (the autoscaler's job on a cloud)
+            replacement = cluster.add_worker(num_cpus=1)
+            rc = driver.wait(timeout=200)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    assert rc == 0, _log(log)
+
+    exp_dir = storage / "node-loss"
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    analysis = ExperimentAnalysis(str(exp_dir))
+    ray_ids = {t.trial_id for t in analysis.trials}
+    # every requested trial accounted for, none lost, none errored
+    assert summary["counts"]["trials"] == num and summary["counts"]["errored"] == 0
+    assert {t["trial_id"] for t in summary["trials"]} == ray_ids and len(ray_ids) == num
+
+    # the killed trial was retried and resumed from its checkpoint, not restarted
+    trial = next(t for t in analysis.trials if t.trial_id == killed_trial)
+    assert trial.num_failures >= 1
+    df = analysis.trial_dataframes[killed_trial]
+    last = df.iloc[-1]
+    assert last["iterations_since_restore"] < last["training_iteration"], df[
+        ["training_iteration", "iterations_since_restore", "examples_seen"]]
+    seen = list(df["examples_seen"])
+    assert seen == sorted(set(seen)), seen  # continues; a restart would repeat 48, 96 ...
+    restored_at = seen[int(last["training_iteration"] - last["iterations_since_restore"]) - 1]
+    assert restored_at >= seen_at_kill and seen[-1] == max(seen) >= SMOKE_MAX
+    nodes = set(df["node_id"])
+    assert nodes == {worker.node_id, replacement.node_id}  # before and after the node loss
+
+    # MLflow agrees: one run per trial (no duplicate after the retry), history without repeats
+    children, parents = _mlflow_children(db)
+    assert len(children) == num and len(parents) == 1
+    by_trial = {r.data.tags["trial_id"]: r for r in children}
+    assert set(by_trial) == ray_ids
+    run = by_trial[killed_trial]
+    assert run.info.status == "FINISHED" and int(run.data.tags["retries"]) >= 1
+    assert set(run.data.tags["node_ids"].split(",")) == nodes
+    steps = _metric_points(db, run.info.run_id)
+    assert steps == sorted(set(steps)) == seen
+    for t in summary["trials"]:
+        assert t["mlflow_run_id"] == by_trial[t["trial_id"]].info.run_id
+    print(f"node loss: trial {killed_trial} killed at {seen_at_kill} examples, "
+          f"{trial.num_failures} retry, restored at {restored_at}, iterations "
+          f"{int(last['training_iteration'])} ({int(last['iterations_since_restore'])} since "
+          f"restore), nodes {len(nodes)}; MLflow child runs {len(children)}")
+
+
+# ---------------------------------------------------------------------- driver loss
+def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_model_dir,
+                                                              tiny_data_dir):
+    from ray.tune import ExperimentAnalysis
+
+    storage, db, num = tmp_path / "ray_results", tmp_path / "mlflow.db", 3
+    log, log2 = tmp_path / "driver.log", tmp_path / "resume.log"
+    with LocalRayCluster(tmp_path / "cluster-logs") as cluster:
+        cluster.start_head(num_cpus=2)
+        with open(log, "w") as fh:
+            driver = subprocess.Popen(
+                _cmd(tiny_model_dir, tiny_data_dir, storage.as_uri(), db, "driver-loss",
+                     "--address", cluster.address, "--num-samples", str(num),
+                     "--max-concurrent", "2"),
+                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            def finished_and_running():
+                runs = _trial_runs(db)
+                done = {t: r for t, r in runs.items() if r["status"] == "FINISHED"}
+                busy = {t: r for t, r in runs.items()
+                        if r["status"] == "RUNNING" and r["examples_seen"] > 0}
+                return (done, busy) if done and busy else None
+            done, busy = _wait_for(finished_and_running, driver, 150,
+                                   "one trial finished and another running")
+            before = {t: _metric_points(db, r["run_id"]) for t, r in done.items()}
+            tags_before = {t: _tags(db, r["run_id"]) for t, r in done.items()}
+            driver.send_signal(signal.SIGKILL)
+            driver.wait(timeout=30)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        assert driver.returncode == -signal.SIGKILL
+        runs_at_kill = _trial_runs(db)
+        with open(log2, "w") as fh:
+            resumed = subprocess.run(
+                [sys.executable, "tune_driver.py", "--resume", "--experiment", "driver-loss",
+                 "--storage-path", storage.as_uri(), "--address", cluster.address],
+                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT, timeout=240)
+    assert resumed.returncode == 0, _log(log2)
+    assert "resuming" in log2.read_text()
+
+    exp_dir = storage / "driver-loss"
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    analysis = ExperimentAnalysis(str(exp_dir))
+    ray_ids = {t.trial_id for t in analysis.trials}
+    assert summary["counts"]["trials"] == num == len(ray_ids)
+    assert {t["trial_id"] for t in summary["trials"]} == ray_ids
+    assert set(runs_at_kill) <= ray_ids  # the same trial ids after the restore
+    # finished trials were not re-run: same iterations, same MLflow points
+    for tid, steps in before.items():
+        df = analysis.trial_dataframes[tid]
+        assert int(df["training_iteration"].iloc[-1]) == len(steps) == len(df), (tid, df)
+        assert list(df["examples_seen"]) == steps
+    # the interrupted trials went on (from the last checkpoint Ray's experiment snapshot
+    # had recorded: evaluations after that one are redone -- same values, the seeds and
+    # data order are in the checkpoint -- and Ray's result log keeps both copies)
+    resumed_from = {}
+    for tid, r in busy.items():
+        df = analysis.trial_dataframes[tid]
+        seen = list(df["examples_seen"])
+        assert seen[-1] == max(seen) >= r["examples_seen"], (tid, seen)
+        by_seen = df.groupby("examples_seen")["val/overall"].agg(["min", "max"])
+        assert (by_seen["max"] - by_seen["min"]).abs().max() < 1e-9, by_seen  # same values
+        last = df.iloc[-1]
+        resumed_from[tid] = int(last["training_iteration"] - last["iterations_since_restore"])
+        record = next(t for t in summary["trials"] if t["trial_id"] == tid)
+        assert record["evaluations"] == len(set(seen))  # the summary counts each once
+    # MLflow: no duplicate runs (one parent, one child per trial), no repeated points
+    children, parents = _mlflow_children(db)
+    assert len(parents) == 1 and parents[0].data.tags.get("resumed") == "true"
+    assert parents[0].info.status == "FINISHED"
+    assert len(children) == num
+    by_trial = {r.data.tags["trial_id"]: r for r in children}
+    assert set(by_trial) == ray_ids
+    for tid, run in by_trial.items():
+        steps = _metric_points(db, run.info.run_id)
+        assert steps == sorted(set(steps)), (tid, steps)
+        assert steps == sorted(set(analysis.trial_dataframes[tid]["examples_seen"]))
+        assert run.info.status == "FINISHED"
+    for tid, steps in before.items():
+        assert _metric_points(db, by_trial[tid].info.run_id) == steps
+        after = by_trial[tid].data.tags
+        for key in ("status", "stopped_early", "rung_reached", "examples_seen"):
+            assert after[key] == tags_before[tid][key], (tid, key)
+        record = next(t for t in summary["trials"] if t["trial_id"] == tid)
+        assert record["status"] == tags_before[tid]["status"]
+        assert record["examples_seen"] == int(tags_before[tid]["examples_seen"])
+    for t in summary["trials"]:  # the driver's end-of-search sees every run, old and new
+        assert t["mlflow_run_id"] == by_trial[t["trial_id"]].info.run_id
+    print(f"driver loss: killed with {len(done)} finished / {len(busy)} running of {num}; "
+          f"resumed: {len(children)} MLflow child runs, 1 parent; finished trials' "
+          f"iterations {[len(s) for s in before.values()]} unchanged; running trials resumed "
+          f"after iteration {resumed_from}")
+
+
+# ---------------------------------------------------------------------- NaN loss
+NAN_SPACE = """\
+description: one STS loss weight overflows float32 (inf loss, then NaN weights)
+params:
+  loss_weighting: fixed
+  w_sts: {choice: [1.0, 1.0e300]}
+  lr: 1.0e-3
+  warmup_ratio: 0.0
+"""
+
+
+def test_nan_loss_trial_fails_with_reason_others_go_on(tmp_path, tiny_model_dir,
+                                                       tiny_data_dir):
+    """Also: the driver's own local Ray (no --address) shows its dashboard on 127.0.0.1,
+    and an unreachable --mlflow-uri with --mlflow-fallback-local logs to local SQLite."""
+    from mlflow import MlflowClient
+    from ray.tune import ExperimentAnalysis
+
+    space = tmp_path / "nan.yaml"
+    space.write_text(NAN_SPACE, encoding="utf-8")
+    storage = tmp_path / "ray_results"
+    dead = f"http://127.0.0.1:{free_port()}"
+    cmd = _cmd(tiny_model_dir, tiny_data_dir, storage, None, "nan", "--num-samples", "3",
+               "--max-concurrent", "2", "--max-failures", "1", "--ensemble-top-k", "1",
+               "--mlflow-uri", dead, "--mlflow-fallback-local")
+    cmd[cmd.index("smoke")] = str(space)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert f"warning: --mlflow-uri {dead}: MLflow server unreachable" in out.stderr
+    assert "--mlflow-fallback-local: logging to sqlite:///" in out.stderr
+    m = re.search(r"\[tune\] Ray dashboard: (\S+)", out.stdout)
+    assert m and m.group(1).startswith("http://127.0.0.1:"), out.stdout[:2000]
+
+    exp_dir = storage / "nan"
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    failed = [t for t in summary["trials"] if t["status"] == "error"]
+    ok = [t for t in summary["trials"] if t["status"] != "error"]
+    assert failed and ok, summary["trials"]  # seed 0: w_sts = 1e300, 1, 1e300
+    assert all(t["config"]["w_sts"] == 1e300 for t in failed)
+    assert all(t["config"]["w_sts"] == 1.0 for t in ok)
+    for t in failed:
+        assert "non-finite loss" in t["error"] and "loss became nan" in t["error"], t["error"]
+    assert summary["best_trial"]["trial_id"] in {t["trial_id"] for t in ok}
+
+    # Ray's own results: the trial errored with the reason (retries failed at once, marker)
+    analysis = ExperimentAnalysis(str(exp_dir))
+    for trial in analysis.trials:
+        if trial.trial_id in {t["trial_id"] for t in failed}:
+            assert trial.status == "ERROR"
+            error = Path(trial.path, "error.txt").read_text()
+            assert "TrialFailed: non-finite loss" in error
+        else:
+            assert trial.status == "TERMINATED"
+
+    # MLflow (the local fallback store): FAILED runs with the reason tag
+    uri = f"sqlite:///{storage / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"mtbert/{space.stem}")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("kind") == "search")
+    assert parent.data.tags["mlflow_fallback_from"] == dead
+    children = {r.data.tags["trial_id"]: r for r in runs if r.data.tags.get("kind") == "trial"}
+    assert len(children) == 3
+    for t in failed:
+        run = children[t["trial_id"]]
+        assert run.info.status == "FAILED" and run.data.tags["status"] == "error"
+        assert run.data.tags["error_reason"].startswith("TrialFailed: non-finite loss")
+    for t in ok:
+        assert children[t["trial_id"]].info.status == "FINISHED"
+    print(f"NaN: {len(failed)} trial(s) FAILED ({failed[0]['error'][:80]}), {len(ok)} went on")
+
+
+# ---------------------------------------------------------------------- MLflow down
+def test_mlflow_unreachable_at_start_is_a_clear_error_before_anything(tmp_path, tiny_model_dir,
+                                                                      tiny_data_dir):
+    storage = tmp_path / "ray_results"
+    dead = f"http://127.0.0.1:{free_port()}"
+    cmd = _cmd(tiny_model_dir, tiny_data_dir, storage, None, "no-mlflow", "--mlflow-uri", dead)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: --mlflow-uri {dead}: MLflow server unreachable ([Errno 111] Connection "
+        "refused); start it (mlflow server --host 127.0.0.1) or omit --mlflow-uri for the "
+        "local SQLite store"]
+    assert not storage.exists() and "Ray dashboard" not in out.stdout

@@ -1,0 +1,112 @@
+"""A real two-node Ray cluster on this machine: ``tune_driver.py --address`` spreads trials
+over both nodes.
+
+A head and a worker node are separate ``ray start`` process groups (1 CPU each, their
+own temp dirs; see tests/ray_cluster.py).  Both share this machine's IP, so each trial
+reports the Ray node id it ran on (result field and MLflow tag ``node_id``); the test
+asserts from Ray's results and from MLflow that both nodes ran trials.
+
+The storage is given as a URI (``--storage-path file:///...``), as a cluster would give
+``s3://...``: Ray writes trials and checkpoints through pyarrow.fs, the driver stages its
+own files locally and copies them there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_cluster import LocalRayCluster
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_TRIALS = 2
+
+
+def driver_cmd(cluster: LocalRayCluster, model: str, data: str, storage: str, db: Path,
+               experiment: str, *extra: str) -> list[str]:
+    return [sys.executable, "tune_driver.py", "--space", "smoke", "--budget", "smoke",
+            "--model", model, "--data-dir", data, "--storage-path", str(storage),
+            "--mlflow-uri", f"sqlite:///{db}", "--experiment", experiment,
+            "--address", cluster.address, "--seed", "0", *extra]
+
+
+@pytest.fixture(scope="module")
+def two_node_search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
+    root = tmp_path_factory.mktemp("multinode")
+    storage, db = root / "ray_results", root / "mlflow.db"
+    with LocalRayCluster(root / "logs") as cluster:
+        head = cluster.start_head(num_cpus=1)
+        worker = cluster.add_worker(num_cpus=1)
+        start = time.perf_counter()
+        out = subprocess.run(driver_cmd(cluster, tiny_model_dir, tiny_data_dir,
+                                        storage.as_uri(), db,
+                                        "two-nodes", "--num-samples", str(NUM_TRIALS),
+                                        "--max-concurrent", "2"),
+                             cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                             timeout=240)
+        seconds = time.perf_counter() - start
+    print(f"two-node search: {seconds:.1f} s")
+    return {"out": out, "exp_dir": storage / "two-nodes", "uri": f"sqlite:///{db}",
+            "exp_uri": (storage / "two-nodes").as_uri(),
+            "nodes": {head.node_id: "head", worker.node_id: "worker"}}
+
+
+def test_trials_ran_on_both_nodes(two_node_search):
+    from mlflow import MlflowClient
+    from ray.tune import ExperimentAnalysis
+
+    out = two_node_search["out"]
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    nodes = two_node_search["nodes"]
+    exp_dir = two_node_search["exp_dir"]
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    assert summary["counts"]["trials"] == NUM_TRIALS and summary["counts"]["errored"] == 0
+
+    # Ray's results: every result row carries the node it was computed on
+    analysis = ExperimentAnalysis(str(exp_dir))
+    ran_on = {}
+    for trial in analysis.trials:
+        df = analysis.trial_dataframes[trial.trial_id]
+        assert df["node_id"].notna().all()
+        ran_on[trial.trial_id] = set(df["node_id"])
+        assert ran_on[trial.trial_id] <= set(nodes), ran_on  # only the cluster's nodes
+    used = set().union(*ran_on.values())
+    assert used == set(nodes), f"trials ran only on {[nodes[n] for n in used]}"
+
+    # MLflow agrees: one child run per trial, tagged with the node it ran on
+    client = MlflowClient(tracking_uri=two_node_search["uri"])
+    exp = client.get_experiment_by_name("mtbert/smoke")
+    children = [r for r in client.search_runs([exp.experiment_id])
+                if r.data.tags.get("kind") == "trial"]
+    assert len(children) == NUM_TRIALS
+    tagged = {r.data.tags["trial_id"]: r.data.tags["node_id"] for r in children}
+    assert {tid: {node} for tid, node in tagged.items()} == ran_on
+    assert {t["trial_id"] for t in summary["trials"]} == set(tagged)
+
+
+def test_uri_storage_holds_every_file(two_node_search):
+    """``--storage-path file:///...``: the driver's files went to the URI, and the summary
+    names them there (not in the local staging folder)."""
+    from urllib.parse import urlparse
+
+    exp_dir, exp_uri = two_node_search["exp_dir"], two_node_search["exp_uri"]
+    for name in ("summary.json", "summary.md", "mtbert_search.json", "mtbert_mlflow.json",
+                 "best_so_far.png", "learning_curves.png", "tuner.pkl"):
+        assert (exp_dir / name).is_file(), name
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    assert summary["experiment_dir"] == exp_uri
+    paths = [summary["best_trial"]["checkpoint"], summary["best_trial"]["predictions"],
+             summary["ensemble"]["predictions"], *summary["report_files"].values(),
+             *(t["best_checkpoint"] for t in summary["trials"] if t["best_checkpoint"])]
+    for uri in paths:
+        assert uri.startswith(exp_uri + "/"), uri
+        assert Path(urlparse(uri).path).exists(), uri
+    assert (Path(urlparse(summary["best_trial"]["checkpoint"]).path) / "state.pt").is_file()
+    assert list((exp_dir / "ensemble" / "predictions").glob("sst-dev-output.csv"))
+    settings = json.loads((exp_dir / "mtbert_search.json").read_text())
+    assert settings["args"]["storage_path"] == exp_uri.rsplit("/", 1)[0]
