@@ -31,6 +31,36 @@ FAST_FAILURE_ENV = {"RAY_health_check_initial_delay_ms": "1000",
                     "RAY_health_check_failure_threshold": "3"}
 
 
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, name, command line), from /proc (no psutil needed)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        out[int(entry.name)] = (ppid, name, cmdline)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,10 +76,10 @@ class Node:
     node_id: str | None = None
 
     def raylet_pid(self) -> int:
-        import psutil
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if child.name() == "raylet":
-                return child.pid
+        procs = _processes()
+        for pid in descendants(self.proc.pid):
+            if pid in procs and procs[pid][1] == "raylet":
+                return pid
         raise RuntimeError(f"{self.name}: no raylet process")
 
 
@@ -107,9 +137,22 @@ class LocalRayCluster:
 
     def kill_raylet(self, node: Node) -> int:
         """SIGKILL the node's raylet: the node is lost (``ray start --block`` then ends the
-        rest of that node's processes)."""
+        rest of that node's processes, within a second or so)."""
         pid = node.raylet_pid()
         os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def kill_node(self, node: Node) -> int:
+        """A machine dying: SIGKILL its raylet, then at once every other process of the
+        node (its trial workers would otherwise run on for a moment and could report a
+        result or two more).  Returns the raylet's pid."""
+        others = [node.proc.pid, *descendants(node.proc.pid)]
+        pid = self.kill_raylet(node)
+        for other in others:
+            try:
+                os.kill(other, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         return pid
 
     # ------------------------------------------------------------------ state
@@ -137,19 +180,15 @@ class LocalRayCluster:
 
     # ------------------------------------------------------------------ teardown
     def _pids(self) -> set[int]:
-        import psutil
         pids = set()
         for node in self.nodes:
-            try:
-                pids.update(c.pid for c in psutil.Process(node.proc.pid).children(recursive=True))
+            if node.proc.poll() is None:
                 pids.add(node.proc.pid)
-            except psutil.NoSuchProcess:
-                pass
+            pids.update(descendants(node.proc.pid))
         marks = [str(n.temp_dir) for n in self.nodes]
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = " ".join(p.info.get("cmdline") or [])
+        for pid, (_, _, cmdline) in _processes().items():
             if any(m in cmdline for m in marks):
-                pids.add(p.info["pid"])
+                pids.add(pid)
         pids.discard(os.getpid())
         return pids
 

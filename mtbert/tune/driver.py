@@ -325,6 +325,11 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # snapshot Tune's experiment state every second (Ray's "auto" waits >= 10 s): what
+    # --resume restores after a driver crash is then at most a second or so old, so it
+    # rarely names a trial's checkpoint that num_to_keep has deleted since (such a trial
+    # cannot be restored) or misses a trial that ended or started meanwhile
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,6 +556,14 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     children = tracker.state.get("children", {})
     for r in records:
         r.mlflow_run_id = children.get(r.trial_id, {}).get("run_id")
+    # a trial that started just before a driver crash, after Ray's last experiment snapshot:
+    # the restored search does not know it (it samples another one instead); close its run
+    known = {r.trial_id for r in records}
+    for tid in sorted(set(children) - known):
+        if children[tid].get("status") in (None, "RUNNING"):
+            tracker.end_trial(tid, "KILLED", {
+                "status": "orphaned", "error_reason": "started just before the driver "
+                "crashed, after Ray's last experiment snapshot: not resumed"})
     ranked = fz.ranked(records)
     stored_checkpoint: dict[str, str] = {}  # trial id -> its best checkpoint's URI
     if plan.storage_uri:  # local copies: metrics + val predictions; the model for finalists
