@@ -11,7 +11,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mtbert.data import collate, encoding_for, load_data
 from mtbert.model import MultitaskModel

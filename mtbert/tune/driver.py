@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import tempfile
