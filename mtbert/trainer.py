@@ -60,6 +60,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None):
+        setup_started = time.perf_counter()
         self.cfg = cfg
         self.data = data
         self.out_dir = Path(out_dir)
@@ -106,6 +107,10 @@ class Trainer:
         self._examples_at_start = 0
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+        # where this process's time goes (reported as time/*; not kept across a resume):
+        # setup = model load, pre-training stage, optimizer, batchers, checkpoint restore
+        self.timings = {"setup_s": time.perf_counter() - setup_started, "train_s": 0.0,
+                        "eval_s": 0.0, "checkpoint_s": 0.0}
 
     # ------------------------------------------------------------------ setup
     def _param_groups(self) -> list[dict]:
@@ -153,7 +158,9 @@ class Trainer:
         while not done and self.epoch <= cfg.epochs:
             plan = self._epoch_plan(self.epoch)
             while self.step_in_epoch < len(plan):
+                step_started = time.perf_counter()
                 self._train_group(plan[self.step_in_epoch])
+                self.timings["train_s"] += time.perf_counter() - step_started
                 self.step_in_epoch += 1
                 self._maybe_log()
                 if cfg.eval_every and self.examples_seen >= self.next_eval:
@@ -241,7 +248,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_and_report(self) -> None:
+        eval_started = time.perf_counter()
         metrics = self.evaluate("val")
+        saving_started = time.perf_counter()
+        self.timings["eval_s"] += saving_started - eval_started
+        metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics.update({
             "examples_seen": self.examples_seen, "epoch": self.epoch,
             "optimizer_steps": self.optimizer_steps,
@@ -263,6 +274,9 @@ class Trainer:
                  f"qqp {metrics['val/qqp_acc']:.3f}, sts {metrics['val/sts_corr']:.3f})")
         if self.report is not None:
             self.report(metrics, str(checkpoint_dir))
+        # checkpoint writing and the report (Ray copies the checkpoint to storage there);
+        # the figure sent with this report covers the evaluations before it
+        self.timings["checkpoint_s"] += time.perf_counter() - saving_started
 
     def evaluate(self, split_name: str, write_predictions: bool = False) -> dict:
         """Score every task on ``split_name`` (val or dev); returns prefixed metrics."""

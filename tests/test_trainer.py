@@ -31,6 +31,28 @@ def test_training_loss_falls(tiny_config, tmp_path):
     assert len(trainer.history) == 12 and last["examples_seen"] == 12 * 3 * 54  # 60 rows - 6 val
 
 
+def test_time_breakdown_is_cumulative_and_bounded_by_the_wall_clock(tiny_config, tmp_path):
+    import time
+    cfg = tiny_config(epochs=2, eval_every=100, eval_dev=False)
+    reports = []
+    started = time.perf_counter()
+    trainer = Trainer(cfg, load_data(cfg), tmp_path,
+                      report=lambda m, d: (reports.append(dict(m)), time.sleep(0.2)))
+    trainer.fit()
+    wall = time.perf_counter() - started
+    assert len(reports) >= 3
+    for key in ("time/setup_s", "time/train_s", "time/eval_s", "time/checkpoint_s"):
+        values = [r[key] for r in reports]
+        assert values == sorted(values) and values[0] >= 0, key
+    assert reports[-1]["time/train_s"] > 0 and reports[-1]["time/eval_s"] > 0
+    # the 0.2 s spent in each report callback counts as checkpoint/report time, not training
+    assert reports[-1]["time/checkpoint_s"] >= 0.2 * (len(reports) - 1)
+    assert reports[-1]["time/train_s"] + reports[-1]["time/eval_s"] < reports[-1]["train_seconds"]
+    last = reports[-1]
+    assert (last["time/setup_s"] + last["time/train_s"] + last["time/eval_s"]
+            + last["time/checkpoint_s"]) <= wall
+
+
 def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
     cfg = tiny_config(epochs=2)
     trainer = Trainer(cfg, load_data(cfg), tmp_path)

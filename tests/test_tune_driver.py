@@ -154,8 +154,15 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
         assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(df["examples_seen"])
         assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
             list(df["val/overall"]))
-        for key in ("val/sst_acc", "val/qqp_acc", "val/sts_corr", "examples_seen"):
+        for key in ("val/sst_acc", "val/qqp_acc", "val/sts_corr", "examples_seen",
+                    "time/train_s", "time/eval_s", "time/startup_s", "time/cpu_s"):
             assert len(client.get_metric_history(run.info.run_id, key)) == len(df)
+        assert "time/entered_at" not in run.data.metrics  # a clock reading, Ray only
+        # the time breakdown as Ray got it: training and scoring inside the trial's own clock
+        assert (df["time/train_s"] > 0).all() and (df["time/eval_s"] > 0).all()
+        assert (df["time/startup_s"] >= df["time/setup_s"]).all()
+        assert (df["time/train_s"] + df["time/eval_s"] <= df["time_total_s"]).all()
+        assert (df["time/entered_at"] <= df["timestamp"] + 1).all()
         status = summary_trials[trial.trial_id]["status"]
         assert run.data.tags["status"] == status
         assert run.data.tags["stopped_early"] == str(status == "stopped_early").lower()

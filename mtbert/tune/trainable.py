@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,11 @@ FAILED_MARKER = "mtbert_failed.txt"
 #: the metrics sent to Ray each evaluation besides every ``val/*`` and ``train/*`` key;
 #: the current learning rate goes as ``train/lr`` (``lr`` is the searched hyperparameter)
 RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
+#: besides the trainer's ``time/*`` seconds (setup, train, eval, checkpoint), the trainable
+#: adds ``time/entered_at`` (Unix time the trial function was entered in its Ray actor,
+#: after Ray started the actor and fetched the data from the object store),
+#: ``time/startup_s`` (entry to a ready Trainer: imports, model load, setup) and
+#: ``time/cpu_s`` (CPU seconds of the actor process since entry, all threads)
 #: first in the report: Ray's progress table shows the first four metrics
 HEADLINE = ("val/overall", "val/sst_acc", "val/qqp_acc", "val/sts_corr")
 
@@ -41,7 +47,8 @@ def ray_metrics(metrics: dict) -> dict[str, float]:
     scalars = scalar_metrics(metrics)
     if "lr" in scalars:
         scalars["train/lr"] = scalars.pop("lr")
-    keep = {k: v for k, v in scalars.items() if k.startswith(("val/", "train/")) or k in RUN_KEYS}
+    keep = {k: v for k, v in scalars.items()
+            if k.startswith(("val/", "train/", "time/")) or k in RUN_KEYS}
     ordered = {k: keep[k] for k in HEADLINE if k in keep}
     ordered.update({k: v for k, v in keep.items() if k not in ordered})
     return ordered
@@ -69,6 +76,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
     ``ended`` (on ``--resume``): trials the driver had seen end before it died; Ray's
     experiment snapshot may still list them as running, so Tuner.restore would train
     them again -- they return at once (or fail again with their recorded reason)."""
+    entered_at, cpu_at_entry = time.time(), time.process_time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from ray import tune
@@ -83,7 +91,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
     if marker.is_file():  # a retry of a deterministic failure: fail again at once
         raise TrialFailed(marker.read_text(encoding="utf-8"))
     try:
-        _run(config, data, base or {}, tune)
+        _run(config, data, base or {}, tune, entered_at, cpu_at_entry)
     except TrialFailed as exc:
         _mark_failed(marker, str(exc))
         raise
@@ -103,7 +111,8 @@ def _mark_failed(marker: Path, reason: str) -> None:
         pass
 
 
-def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
+def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: float,
+         cpu_at_entry: float) -> None:
     import logging
 
     import transformers
@@ -119,9 +128,13 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
     import ray
     node_id = ray.get_runtime_context().get_node_id()  # which node ran it (the IP may be shared)
 
+    startup: dict[str, float] = {}
+
     def report(metrics: dict, checkpoint_dir: str) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
-        tune.report({**ray_metrics(metrics), "node_id": node_id},
+        timing = {"time/entered_at": entered_at, **startup,
+                  "time/cpu_s": time.process_time() - cpu_at_entry}
+        tune.report({**ray_metrics(metrics), **timing, "node_id": node_id},
                     checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
 
     try:
@@ -129,6 +142,8 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune) -> None:
         resume_from = None
         if checkpoint is not None:
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
-        Trainer(cfg, data, work / "run", report=report, resume_from=resume_from).fit()
+        trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
+        startup["time/startup_s"] = time.time() - entered_at
+        trainer.fit()
     finally:
         shutil.rmtree(work, ignore_errors=True)
