@@ -36,7 +36,8 @@ RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
 #: adds ``time/entered_at`` (Unix time the trial function was entered in its Ray actor,
 #: after Ray started the actor and fetched the data from the object store),
 #: ``time/startup_s`` (entry to a ready Trainer: imports, model load, setup) and
-#: ``time/cpu_s`` (CPU seconds of the actor process since entry, all threads)
+#: ``time/cpu_s`` (CPU seconds of the actor process since entry, all threads) and
+#: ``time/reported_at`` (Unix time of this report; Ray's ``timestamp`` is whole seconds)
 #: first in the report: Ray's progress table shows the first four metrics
 HEADLINE = ("val/overall", "val/sst_acc", "val/qqp_acc", "val/sts_corr")
 
@@ -133,7 +134,8 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     def report(metrics: dict, checkpoint_dir: str) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
         timing = {"time/entered_at": entered_at, **startup,
-                  "time/cpu_s": time.process_time() - cpu_at_entry}
+                  "time/cpu_s": time.process_time() - cpu_at_entry,
+                  "time/reported_at": time.time()}
         tune.report({**ray_metrics(metrics), **timing, "node_id": node_id},
                     checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
 
