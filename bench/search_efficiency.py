@@ -1,7 +1,8 @@
 """Search efficiency: the published grid vs random search vs ASHA + Optuna TPE.
 
     python bench/search_efficiency.py [--full-examples 2000] [--train-rows 1000]
-        [--eval-rows 300] [--asha-trials 12] [--workers 2] [--out bench_results/search_efficiency]
+        [--eval-rows 300] [--asha-trials 12] [--workers 2] [--lr 1.5e-4] [--batch-size 16]
+        [--out bench_results/search_efficiency]
 
 Same data (``--train-rows`` training rows and ``--eval-rows`` validation rows per task),
 model (the packaged MiniLM), budget unit (training examples seen; one full-budget
@@ -50,7 +51,7 @@ LAMBDAS = (1.0, 5.0)
 
 
 def search_setup(method: str, full: int, asha_trials: int, workers: int, seed: int):
-    """(param_space, TuneConfig kwargs, eval_every) of one method."""
+    """(param_space, TuneConfig kwargs, evaluation fields) of one method."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -59,18 +60,20 @@ def search_setup(method: str, full: int, asha_trials: int, workers: int, seed: i
         space = {"dropout": tune.grid_search(list(DROPOUTS)),
                  "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
         return space, dict(num_samples=1, scheduler=FIFOScheduler(),
-                           search_alg=_search_alg("random", seed, workers, 1)), full
+                           search_alg=_search_alg("random", seed, workers, 1)), {"eval_every": full}
     space = {"dropout": tune.uniform(min(DROPOUTS), max(DROPOUTS)),
              "smart_lambda_sst": tune.uniform(min(LAMBDAS), max(LAMBDAS))}
     if method == "random":
         n = len(DROPOUTS) * len(LAMBDAS)
         return space, dict(num_samples=n, scheduler=FIFOScheduler(),
-                           search_alg=_search_alg("random", seed, workers, n)), full
+                           search_alg=_search_alg("random", seed, workers, n)), {"eval_every": full}
     grace = full // 9
     scheduler = ASHAScheduler(time_attr="examples_seen", max_t=full, grace_period=grace,
                               reduction_factor=3)
+    # evaluations on the rungs only (grace * 3^k) and at the end, as the driver's budgets do
     return space, dict(num_samples=asha_trials, scheduler=scheduler,
-                       search_alg=_search_alg("optuna", seed, workers, asha_trials)), grace
+                       search_alg=_search_alg("optuna", seed, workers, asha_trials)), {
+                           "eval_every": grace, "eval_growth": 3.0}
 
 
 def run_method(method: str, data, base: dict, args, storage: Path) -> dict:
@@ -78,11 +81,10 @@ def run_method(method: str, data, base: dict, args, storage: Path) -> dict:
 
     from mtbert.tune.driver import _trial_name
     from mtbert.tune.trainable import train_trial
-    space, tune_kwargs, eval_every = search_setup(method, args.full_examples,
+    space, tune_kwargs, evaluation = search_setup(method, args.full_examples,
                                                   args.asha_trials, args.workers, args.seed)
     trainable = tune.with_resources(
-        tune.with_parameters(train_trial, data=data, base={**base, "eval_every": eval_every}),
-        {"cpu": 1})
+        tune.with_parameters(train_trial, data=data, base={**base, **evaluation}), {"cpu": 1})
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=OBJECTIVE, mode="max",
@@ -117,7 +119,8 @@ def _examples_at(trial: dict, t: float) -> float:
     for r in trial["reports"]:
         if t <= r["at"]:
             span = r["at"] - prev_t
-            return prev_e + (r["examples"] - prev_e) * (max(t - prev_t, 0.0) / span if span > 0 else 1.0)
+            done = max(t - prev_t, 0.0) / span if span > 0 else 1.0
+            return prev_e + (r["examples"] - prev_e) * done
         prev_t, prev_e = r["at"], r["examples"]
     return prev_e
 
@@ -180,10 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-rows", type=int, default=1000, help="training rows per task")
     p.add_argument("--eval-rows", type=int, default=300, help="validation rows per task")
     p.add_argument("--asha-trials", type=int, default=12)
+    p.add_argument("--lr", type=float, default=1.5e-4,
+                   help="fixed for every trial (the small search's best lr: at the default "
+                        "5e-5 a 2,000-example budget barely moves MiniLM off chance)")
+    p.add_argument("--batch-size", type=int, default=16, help="fixed for every trial")
     p.add_argument("--workers", type=int, default=2, help="trials at once (1 CPU each)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench_results" / "search_efficiency"))
+    p.add_argument("--reuse", help="a previous search_efficiency.json: take the runs of the "
+                                   "methods not in --methods from it (same settings)")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "cache_dir": str(default_cache_dir("").resolve()),
             "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
             "epochs": 100, "max_examples": args.full_examples, "seed": args.seed,
+            "lr": args.lr, "batch_size": args.batch_size,
             "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
     if args.model == EMBEDDED_MODEL:
         base["model"] = EMBEDDED_MODEL
@@ -214,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.full_examples} examples; {args.workers} workers", flush=True)
     driver.start_local_ray(num_cpus=args.workers)
     runs = {}
+    if args.reuse:
+        previous = json.loads(Path(args.reuse).read_text(encoding="utf-8"))
+        same = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
+                "seed", "model")
+        differ = [k for k in same if previous["args"].get(k) != getattr(args, k)]
+        if differ:
+            p.error(f"--reuse {args.reuse}: ran with other settings ({', '.join(differ)})")
+        runs = {m: r for m, r in previous["runs"].items() if m not in methods}
+        print(f"[bench] reusing {', '.join(runs)} from {args.reuse}", flush=True)
     try:
         for method in methods:
             print(f"[bench] {LABELS[method]} ...", flush=True)
@@ -223,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
 
+    runs = {m: runs[m] for m in METHODS if m in runs}
     curves = {m: curve(r) for m, r in runs.items()}
     out.mkdir(parents=True, exist_ok=True)
     rows = []

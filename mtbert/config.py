@@ -151,6 +151,9 @@ class TrainConfig:
     # --- run --------------------------------------------------------------
     eval_every: int = field(default=0, metadata=_meta(
         "evaluate on the validation split every this many examples (0 = each epoch)", low=0))
+    eval_growth: float = field(default=1.0, metadata=_meta(
+        "evaluation points eval_every * eval_growth^k (1 = a fixed interval; ASHA's "
+        "reduction factor puts them on its rungs), plus one at the end", low=1.0, high=100.0))
     eval_dev: bool = field(default=True, metadata=_meta(
         "score the dev files and predict test-student at the end of the run"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_meta(

@@ -50,6 +50,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def next_eval_point(seen: int, every: int, growth: float = 1.0) -> int:
+    """The first evaluation point after ``seen`` examples: multiples of ``every``
+    (growth 1), or the geometric points round(every · growth^k) -- ASHA's rungs when
+    ``growth`` is its reduction factor, so no evaluation is spent between rungs."""
+    if growth <= 1.0:
+        return (seen // every + 1) * every
+    point, k = every, 0
+    while point <= seen:
+        k += 1
+        point = int(round(every * growth ** k))
+    return point
+
+
 def scalar_metrics(metrics: dict) -> dict[str, float]:
     """The numeric entries (drops the confusion matrix): what trackers can plot."""
     return {k: float(v) for k, v in metrics.items()
@@ -164,7 +177,8 @@ class Trainer:
                 self.step_in_epoch += 1
                 self._maybe_log()
                 if cfg.eval_every and self.examples_seen >= self.next_eval:
-                    self.next_eval = (self.examples_seen // cfg.eval_every + 1) * cfg.eval_every
+                    self.next_eval = next_eval_point(self.examples_seen, cfg.eval_every,
+                                                     cfg.eval_growth)
                     self._evaluate_and_report()
                 if self._budget_spent():
                     done = True

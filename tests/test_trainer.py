@@ -53,6 +53,32 @@ def test_time_breakdown_is_cumulative_and_bounded_by_the_wall_clock(tiny_config,
             + last["time/checkpoint_s"]) <= wall
 
 
+def test_next_eval_point_fixed_and_geometric():
+    from mtbert.trainer import next_eval_point
+    assert [next_eval_point(s, 100) for s in (0, 99, 100, 250)] == [100, 100, 200, 300]
+    # growth = ASHA's reduction factor: the points are its rungs 222, 666, 1998
+    assert [next_eval_point(s, 222, 3.0) for s in (0, 221, 222, 700, 1997)] == [
+        222, 222, 666, 1998, 1998]
+    assert next_eval_point(1000, 1000, 2.0) == 2000 and next_eval_point(2016, 1000, 2.0) == 4000
+
+
+def test_geometric_evaluations_land_on_the_points_and_the_end(tiny_config, tmp_path):
+    from mtbert.trainer import next_eval_point
+    cfg = tiny_config(epochs=3, eval_every=40, eval_growth=2.0, eval_dev=False)
+    seen = []
+    trainer = Trainer(cfg, load_data(cfg), tmp_path,
+                      report=lambda m, d: seen.append(m["examples_seen"]))
+    trainer.fit()
+    total = 3 * 3 * 54  # epochs x tasks x training rows
+    assert seen[-1] == total
+    point, expected = 40, []
+    for s in seen[:-1]:  # each report is the first step at or past the next point
+        assert s >= point and s - cfg.batch_size < point, (s, point)
+        expected.append(point)
+        point = next_eval_point(s, 40, 2.0)
+    assert expected == [40, 80, 160, 320] and point > total
+
+
 def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
     cfg = tiny_config(epochs=2)
     trainer = Trainer(cfg, load_data(cfg), tmp_path)

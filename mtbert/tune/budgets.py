@@ -2,8 +2,12 @@
 
 The fidelity unit is *training examples seen* (the trainer's ``examples_seen``): a
 trial trains until ``max_examples`` and is scored on the validation split every
-``eval_every`` examples; ASHA (Li et al. 2020) looks at a trial at the rungs
-``grace_period * reduction_factor**k`` and keeps the top ``1/reduction_factor``.
+``eval_every * eval_growth**k`` examples and at the end; ASHA (Li et al. 2020) looks at
+a trial at the rungs ``grace_period * reduction_factor**k`` and keeps the top
+``1/reduction_factor``. With ``eval_every = grace_period`` and ``eval_growth =
+reduction_factor`` the evaluations fall on the rungs: none is spent between them (at
+the small budgets of a CPU an evaluation costs as much as a tenth of the training).
+``smoke`` evaluates at a fixed interval so tests see several reports per trial.
 
 ``max_train_per_task`` caps each task's training rows so an epoch stays small and
 ``epochs`` passes fit the budget (schedules like ``sequential`` and ``annealed`` see
@@ -33,7 +37,8 @@ class Budget:
     description: str
     max_examples: int        # per trial, ASHA's max_t (0 = epochs x train rows, after loading)
     epochs: int
-    eval_every: int          # examples between validation evaluations (= reports)
+    eval_every: int          # examples to the first validation evaluation (= report)
+    eval_growth: float       # later evaluations at eval_every * eval_growth^k (+ the end)
     grace_period: int        # ASHA: examples before a trial can be stopped
     reduction_factor: float  # ASHA: keep the top 1/rf at each rung
     max_train_per_task: int  # training rows per task (0 = all)
@@ -47,7 +52,7 @@ class Budget:
     def trial_fields(self) -> dict:
         """TrainConfig fields every trial of this budget gets."""
         return {"epochs": self.epochs, "max_examples": self.max_examples,
-                "eval_every": self.eval_every}
+                "eval_every": self.eval_every, "eval_growth": self.eval_growth}
 
     def data_fields(self) -> dict:
         """TrainConfig fields that shape the data loaded once by the driver."""
@@ -73,17 +78,21 @@ class Budget:
 
 BUDGETS: dict[str, Budget] = {b.name: b for b in (
     Budget("smoke", "tests and a first try: ~1-2 min with the tiny model or a 64-row slice",
-           max_examples=192, epochs=2, eval_every=48, grace_period=48, reduction_factor=3,
-           max_train_per_task=64, max_eval_per_task=32, num_samples=4, ensemble_top_k=3),
+           max_examples=192, epochs=2, eval_every=48, eval_growth=1,
+           grace_period=48, reduction_factor=3, max_train_per_task=64, max_eval_per_task=32,
+           num_samples=4, ensemble_top_k=3),
     Budget("small", "~20-30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 2 epochs",
-           max_examples=6000, epochs=2, eval_every=1000, grace_period=1000, reduction_factor=2,
-           max_train_per_task=1000, max_eval_per_task=300, num_samples=8, ensemble_top_k=3),
+           max_examples=6000, epochs=2, eval_every=1000, eval_growth=2,
+           grace_period=1000, reduction_factor=2, max_train_per_task=1000, max_eval_per_task=300,
+           num_samples=8, ensemble_top_k=3),
     Budget("medium", "~2 h on 2 CPU cores with MiniLM: 4,000 train rows per task, 2 epochs",
-           max_examples=24000, epochs=2, eval_every=4000, grace_period=4000, reduction_factor=2,
-           max_train_per_task=4000, max_eval_per_task=1000, num_samples=12, ensemble_top_k=5),
+           max_examples=24000, epochs=2, eval_every=4000, eval_growth=2,
+           grace_period=4000, reduction_factor=2, max_train_per_task=4000, max_eval_per_task=1000,
+           num_samples=12, ensemble_top_k=5),
     Budget("full", "all the data, 3 epochs per trial: for GPU nodes",
-           max_examples=0, epochs=3, eval_every=10000, grace_period=10000, reduction_factor=3,
-           max_train_per_task=0, max_eval_per_task=0, num_samples=32, ensemble_top_k=5),
+           max_examples=0, epochs=3, eval_every=10000, eval_growth=3,
+           grace_period=10000, reduction_factor=3, max_train_per_task=0, max_eval_per_task=0,
+           num_samples=32, ensemble_top_k=5),
 )}
 
 

@@ -48,6 +48,7 @@ DATA_FIELDS = {
 #: fields that the budget or the driver owns
 RUN_FIELDS = {
     "epochs": "--budget", "max_examples": "--budget", "eval_every": "--budget",
+    "eval_growth": "--budget",
     "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
     "threads": "--cpus-per-trial", "progress": "the driver",
 }
