@@ -11,6 +11,8 @@ a checkpoint every 48):
   through pyarrow.fs as it would from ``s3://``);
 * a trial's loss turns non-finite: it stops with the reason in Ray's results, in
   summary.json and in MLflow (status FAILED, tag ``error_reason``), the others go on;
+* the driver gets SIGINT (Ctrl-C): unfinished trials are reported as interrupted (exit
+  130, how to --resume), and --resume completes them;
 * the MLflow server is unreachable at start: a clear error before anything starts, or,
   with ``--mlflow-fallback-local``, a warning and the local SQLite store.
 
@@ -45,6 +47,13 @@ def _cmd(model: str, data: str, storage: Path | str, db: Path | None, experiment
     if db is not None:
         cmd += ["--mlflow-uri", f"sqlite:///{db}"]
     return cmd + list(extra)
+
+
+def _start_driver(cluster, log: Path, cmd: list[str]) -> subprocess.Popen:
+    """``python tune_driver.py ...`` attached to the test cluster, output to ``log``."""
+    with open(log, "w") as fh:
+        return subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=fh,
+                                stderr=subprocess.STDOUT)
 
 
 def _trial_runs(db: Path) -> dict[str, dict]:
@@ -126,12 +135,9 @@ def test_worker_node_lost_mid_trial_resumes_from_checkpoint(tmp_path, tiny_model
         # first to reach a rung goes on) and the kill always lands mid-trial
         cluster.start_head(num_cpus=0)
         worker = cluster.add_worker(num_cpus=1)
-        with open(log, "w") as fh:
-            driver = subprocess.Popen(
-                _cmd(tiny_model_dir, tiny_data_dir, storage, db, "node-loss",
-                     "--address", cluster.address, "--num-samples", str(num),
-                     "--max-failures", "2"),
-                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT)
+        driver = _start_driver(cluster, log, _cmd(
+            tiny_model_dir, tiny_data_dir, storage, db, "node-loss", "--address", cluster.address,
+            "--num-samples", str(num), "--max-failures", "2"))
         try:
             # a trial on the worker node that has reported (and checkpointed) but not finished
             def victim():
@@ -201,12 +207,9 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
     log, log2 = tmp_path / "driver.log", tmp_path / "resume.log"
     with LocalRayCluster(tmp_path / "cluster-logs") as cluster:
         cluster.start_head(num_cpus=2)
-        with open(log, "w") as fh:
-            driver = subprocess.Popen(
-                _cmd(tiny_model_dir, tiny_data_dir, storage.as_uri(), db, "driver-loss",
-                     "--address", cluster.address, "--num-samples", str(num),
-                     "--max-concurrent", "2"),
-                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT)
+        driver = _start_driver(cluster, log, _cmd(
+            tiny_model_dir, tiny_data_dir, storage.as_uri(), db, "driver-loss", "--address",
+            cluster.address, "--num-samples", str(num), "--max-concurrent", "2"))
         try:
             def finished_and_running():
                 runs = _trial_runs(db)
@@ -310,6 +313,63 @@ params:
   lr: 1.0e-3
   warmup_ratio: 0.0
 """
+
+
+def test_ctrl_c_reports_interrupted_trials_and_resume_finishes_them(tmp_path, tiny_model_dir,
+                                                                   tiny_data_dir):
+    """SIGINT (Ctrl-C) mid-search: Tune stops, the driver still writes its summary but
+    names the unfinished trials ``interrupted`` (not "stopped early by ASHA"), exits 130
+    and says how to --resume; the resumed search completes them."""
+    storage, db, num = tmp_path / "ray_results", tmp_path / "mlflow.db", 3
+    log, log2 = tmp_path / "driver.log", tmp_path / "resume.log"
+    with LocalRayCluster(tmp_path / "cluster-logs") as cluster:
+        cluster.start_head(num_cpus=1)
+        driver = _start_driver(cluster, log, _cmd(
+            tiny_model_dir, tiny_data_dir, storage, db, "ctrl-c", "--address", cluster.address,
+            "--num-samples", str(num), "--max-concurrent", "1"))
+        try:
+            def one_finished_one_running():
+                runs = _trial_runs(db)
+                done = {t for t, r in runs.items() if r["status"] == "FINISHED"}
+                busy = {t for t, r in runs.items()
+                        if r["status"] == "RUNNING" and r["examples_seen"] > 0}
+                return (done, busy) if done and busy else None
+            done, busy = _wait_for(one_finished_one_running, driver, 150,
+                                   "one trial finished and another running", poll=0.1)
+            driver.send_signal(signal.SIGINT)
+            driver.wait(timeout=120)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        assert driver.returncode == 130, _log(log)
+        text = log.read_text()
+        assert "interrupted" in text and "--resume --experiment ctrl-c" in text, text[-2000:]
+        summary = json.loads((storage / "ctrl-c" / "summary.json").read_text())
+        c = summary["counts"]
+        assert c["interrupted"] >= 1 and c["errored"] == 0
+        assert c["completed"] + c["stopped_early"] + c["interrupted"] == c["trials"]
+        status = {t["trial_id"]: t["status"] for t in summary["trials"]}
+        assert all(status[t] in ("completed", "stopped_early") for t in done)
+        interrupted = {t for t, s in status.items() if s == "interrupted"}
+        assert busy <= interrupted  # running at the signal: not counted as ASHA's doing
+        runs = _trial_runs(db)
+        for tid in interrupted & set(runs):
+            assert runs[tid]["status"] == "KILLED"
+            assert _tags(db, runs[tid]["run_id"])["status"] == "interrupted"
+
+        with open(log2, "w") as fh:
+            resumed = subprocess.run(
+                [sys.executable, "tune_driver.py", "--resume", "--experiment", "ctrl-c",
+                 "--storage-path", str(storage), "--address", cluster.address],
+                cwd=REPO, env=cluster.env, stdout=fh, stderr=subprocess.STDOUT, timeout=240)
+    assert resumed.returncode == 0, _log(log2)
+    summary = json.loads((storage / "ctrl-c" / "summary.json").read_text())
+    assert summary["counts"]["interrupted"] == 0
+    assert summary["counts"]["completed"] + summary["counts"]["stopped_early"] == num
+    runs = _trial_runs(db)
+    for tid in interrupted & set(runs):
+        assert runs[tid]["status"] == "FINISHED"
+        assert _tags(db, runs[tid]["run_id"])["status"] in ("completed", "stopped_early")
 
 
 def test_nan_loss_trial_fails_with_reason_others_go_on(tmp_path, tiny_model_dir,

@@ -551,7 +551,8 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     import transformers
     transformers.utils.logging.disable_progress_bar()
     exp_dir = plan.exp_dir
-    records = fz.collect_trials(grid, budget.max_examples, budget.rungs())
+    records = fz.collect_trials(grid, budget.max_examples, budget.rungs(),
+                                ended=set(tracker.ended_trials()))
     children = tracker.state.get("children", {})
     for r in records:
         r.mlflow_run_id = children.get(r.trial_id, {}).get("run_id")
@@ -578,7 +579,13 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     counts = {"trials": len(records),
               "completed": sum(r.status == "completed" for r in records),
               "stopped_early": sum(r.status == "stopped_early" for r in records),
-              "errored": sum(r.status == "error" for r in records)}
+              "errored": sum(r.status == "error" for r in records),
+              "interrupted": sum(r.status == "interrupted" for r in records)}
+    for r in records:  # Ctrl-C: its MLflow run is closed as KILLED; --resume reopens it
+        if r.status == "interrupted" and r.trial_id in children:
+            tracker.end_trial(r.trial_id, "KILLED", {
+                "status": "interrupted", "stopped_early": "false",
+                "examples_seen": r.examples_seen})
 
     finalists = ranked[:plan.top_k]
     device = "cuda" if plan.args.gpus_per_trial > 0 and _cuda() else "cpu"
@@ -661,11 +668,16 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
           f"{plan.public(exp_dir / 'summary.md')}")
     print(f"[tune] compare runs: mlflow ui --backend-store-uri {plan.mlflow_uri} "
           "--host 127.0.0.1")
+    if counts["interrupted"]:
+        print(f"[tune] the search was interrupted: {counts['interrupted']} trials did not "
+              f"finish; the summary covers what ran. Continue it with: python tune_driver.py "
+              f"--resume --experiment {plan.experiment} --storage-path "
+              f"{plan.args.storage_path}", file=sys.stderr)
     if not finalists:
         print(f"error: no trial produced a checkpoint ({counts['errored']} errored); see "
               f"{exp_dir / 'summary.md'}", file=sys.stderr)
         return 1
-    return 0
+    return 130 if counts["interrupted"] else 0
 
 
 def _public_paths(plan: Plan, summary: dict[str, Any], stored: dict[str, str]) -> None:

@@ -40,8 +40,13 @@ def trial_id_of(result) -> str:
     return name[len("trial_"):] if name.startswith("trial_") else name
 
 
-def collect_trials(result_grid, max_examples: int, rungs: list[int]) -> list[TrialRecord]:
-    """One :class:`TrialRecord` per trial of the ResultGrid (plain data, no Ray objects)."""
+def collect_trials(result_grid, max_examples: int, rungs: list[int],
+                   ended: set[str] | None = None) -> list[TrialRecord]:
+    """One :class:`TrialRecord` per trial of the ResultGrid (plain data, no Ray objects).
+
+    ``ended``: the trials Tune reported as ended (the driver's tracker records each end);
+    a trial short of ``max_examples`` that did not end was interrupted (Ctrl-C), not
+    stopped by ASHA. None: every trial short of the budget counts as stopped early."""
     records = []
     for result in result_grid:
         tid = trial_id_of(result)
@@ -66,7 +71,7 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int]) -> list[Tri
         if result.error is not None:
             status = "error"
         elif seen < max_examples:
-            status = "stopped_early"
+            status = "stopped_early" if ended is None or tid in ended else "interrupted"
         else:
             status = "completed"
         config = {k: v for k, v in (result.config or {}).items()}
@@ -319,8 +324,10 @@ def console_table(summary: dict[str, Any]) -> str:
                      f"{v.get('val/sts_corr', float('nan')):6.3f}  {d.get('dev/overall', float('nan')):.4f}  "
                      f"members={','.join(ens['members'])}")
     c = summary["counts"]
+    interrupted = (f", {c['interrupted']} interrupted before the end"
+                   if c.get("interrupted") else "")
     lines.append(f"trials: {c['trials']} ({c['completed']} completed, {c['stopped_early']} "
-                 f"stopped early by ASHA, {c['errored']} errored)")
+                 f"stopped early by ASHA, {c['errored']} errored{interrupted})")
     return "\n".join(lines)
 
 

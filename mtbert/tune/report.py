@@ -29,7 +29,7 @@ class TrialRecord:
     """What the report and the summary need of one trial (plain data)."""
     trial_id: str
     name: str
-    status: str                      # completed | stopped_early | error
+    status: str                      # completed | stopped_early | error | interrupted
     config: dict[str, Any]           # the sampled values
     history: list[dict[str, float]] = field(default_factory=list)  # one per evaluation
     best: dict[str, float] = field(default_factory=dict)           # metrics at the best eval
