@@ -421,9 +421,9 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
         print(f"[tune] experiment {plan.ray_experiment}  |  MLflow {plan.mlflow_uri} "
               f"(experiment mtbert/{plan.space.name}, parent run {parent})", flush=True)
         print(f"[tune] space {plan.space.name}: {', '.join(plan.space.searched)}; budget "
-              f"{budget.name}: {budget.max_examples} examples/trial, eval every "
-              f"{budget.eval_every}, ASHA grace {budget.grace_period} rf "
-              f"{budget.reduction_factor:g}; {plan.num_samples} trials, {max_concurrent} at once",
+              f"{budget.name}: {budget.max_examples} examples/trial, {_eval_points(budget)}, "
+              f"ASHA grace {budget.grace_period} rf {budget.reduction_factor:g}; "
+              f"{plan.num_samples} trials, {max_concurrent} at once",
               flush=True)
 
         # on resume: trials that had ended before the driver died must not train again;
@@ -462,6 +462,12 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _eval_points(budget: Budget) -> str:
+    if budget.eval_growth > 1:
+        return f"evaluated at {budget.eval_every} x {budget.eval_growth:g}^k and the end"
+    return f"evaluated every {budget.eval_every}"
 
 
 def start_local_ray(**kwargs):
