@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per trial, fractions allowed (default 0)")
     p.add_argument("--search-alg", default="optuna", choices=["optuna", "random"],
                    help="Optuna TPE (seeded) or random search (baseline)")
+    p.add_argument("--scheduler", default="asha", choices=["asha", "fifo"],
+                   help="asha: stop weak trials at the budget's rungs (default); fifo: every "
+                        "trial trains its whole budget (a baseline without early stopping)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
                    help="Ray results: a local folder (default ./ray_results) or, for a "
@@ -448,7 +451,7 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
                     metric=OBJECTIVE, mode=MODE, num_samples=plan.num_samples,
                     search_alg=_search_alg(args.search_alg, args.seed, max_concurrent,
                                            plan.num_samples),
-                    scheduler=_scheduler(budget),
+                    scheduler=_scheduler(args.scheduler, budget),
                     trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
                 run_config=tune.RunConfig(
                     name=plan.experiment, storage_path=plan.ray_storage,
@@ -457,8 +460,10 @@ def run_search(plan: Plan, budget: Budget, data) -> int:
                         checkpoint_score_order=MODE),
                     failure_config=tune.FailureConfig(max_failures=args.max_failures),
                     callbacks=[callback]))
-        grid = tuner.fit()
-        return finalize_search(plan, budget, data, grid, tracker, parent)
+        with InterruptWatch() as watch:
+            grid = tuner.fit()
+        return finalize_search(plan, budget, data, grid, tracker, parent,
+                               interrupted=watch.interrupted)
     finally:
         if started_ray:
             ray.shutdown()
@@ -509,8 +514,10 @@ def _search_alg(name: str, seed: int, max_concurrent: int, num_samples: int):
     return ConcurrencyLimiter(OptunaSearch(sampler=sampler), max_concurrent=max_concurrent)
 
 
-def _scheduler(budget: Budget):
-    from ray.tune.schedulers import ASHAScheduler
+def _scheduler(name: str, budget: Budget):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    if name == "fifo":
+        return FIFOScheduler()
     return ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
                          grace_period=budget.grace_period,
                          reduction_factor=budget.reduction_factor)
@@ -549,7 +556,33 @@ def _parent_params(plan: Plan, budget: Budget, max_concurrent: int) -> dict[str,
 
 
 # ---------------------------------------------------------------------- after the search
-def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run: str) -> int:
+class InterruptWatch:
+    """Whether ``Tuner.fit()`` ended on Ctrl-C (SIGINT) or SIGUSR1 rather than with the search done.
+
+    Tune installs its own SIGINT handler for the run and, on the first stop signal, puts
+    back the handler that was there before (``ray.tune.tune._setup_signal_catching``); the
+    fit then returns normally.  This watch installs a marker handler first: finding the
+    marker in place after the fit means Tune was stopped by a signal."""
+
+    def __enter__(self) -> "InterruptWatch":
+        import signal
+        self._previous = signal.getsignal(signal.SIGINT)
+        self.interrupted = False
+
+        def marker(signum, frame):  # a second Ctrl-C while Tune winds down: stop hard
+            raise KeyboardInterrupt
+        self._marker = marker
+        signal.signal(signal.SIGINT, marker)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        self.interrupted = signal.getsignal(signal.SIGINT) is self._marker
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run: str,
+                    interrupted: bool = False) -> int:
     from mtbert.tune import finalize as fz
     from mtbert.tune.callback import effective_config
     from mtbert.tune.report import write_report
@@ -586,7 +619,10 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
               "completed": sum(r.status == "completed" for r in records),
               "stopped_early": sum(r.status == "stopped_early" for r in records),
               "errored": sum(r.status == "error" for r in records),
-              "interrupted": sum(r.status == "interrupted" for r in records)}
+              "interrupted": sum(r.status == "interrupted" for r in records),
+              # trials the search had not sampled yet when it was stopped (--resume runs them)
+              "not_started": max(0, plan.num_samples - len(records)) if interrupted else 0}
+    interrupted = interrupted or counts["interrupted"] > 0
     for r in records:  # Ctrl-C: its MLflow run is closed as KILLED; --resume reopens it
         if r.status == "interrupted" and r.trial_id in children:
             tracker.end_trial(r.trial_id, "KILLED", {
@@ -630,7 +666,7 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
                   "description": plan.space.description, **plan.space.to_dict()},
         "budget": budget.to_dict(), "search_alg": plan.args.search_alg, "seed": plan.args.seed,
         "num_samples": plan.num_samples, "objective": OBJECTIVE, "mode": MODE,
-        "counts": counts,
+        "counts": counts, "interrupted": interrupted,
         "best_trial": None if best is None else {
             "trial_id": best.trial_id, "name": best.name, "status": best.status,
             "searched": {k: best.config[k] for k in searched_keys if k in best.config},
@@ -666,7 +702,8 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
     tracker.log_artifact(parent_run, exp_dir / "summary.md")
     if plan.exp_uri:
         st.upload_tree(exp_dir, plan.exp_uri, skip=(STAGED_CHECKPOINTS,))
-    tracker.finish(parent_run, "FINISHED" if finalists else "FAILED")
+    # an interrupted search's parent run is KILLED until --resume reopens and finishes it
+    tracker.finish(parent_run, "KILLED" if interrupted else "FINISHED" if finalists else "FAILED")
 
     print()
     print(fz.console_table(summary))
@@ -674,16 +711,17 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
           f"{plan.public(exp_dir / 'summary.md')}")
     print(f"[tune] compare runs: mlflow ui --backend-store-uri {plan.mlflow_uri} "
           "--host 127.0.0.1")
-    if counts["interrupted"]:
+    if interrupted:
         print(f"[tune] the search was interrupted: {counts['interrupted']} trials did not "
-              f"finish; the summary covers what ran. Continue it with: python tune_driver.py "
+              f"finish and {counts['not_started']} had not started; the summary covers what "
+              f"ran. Continue it with: python tune_driver.py "
               f"--resume --experiment {plan.experiment} --storage-path "
               f"{plan.args.storage_path}", file=sys.stderr)
     if not finalists:
         print(f"error: no trial produced a checkpoint ({counts['errored']} errored); see "
               f"{exp_dir / 'summary.md'}", file=sys.stderr)
         return 1
-    return 130 if counts["interrupted"] else 0
+    return 130 if interrupted else 0
 
 
 def _public_paths(plan: Plan, summary: dict[str, Any], stored: dict[str, str]) -> None:
@@ -749,12 +787,10 @@ def _log_to_mlflow(plan, tracker, parent_run, records, finalists, preds, data, e
                         tracker.log_metrics(r.mlflow_run_id, t["dev"], step=r.examples_seen)
 
         if ensemble is not None:
-            run = tracker.ensemble_run(f"{plan.experiment}-ensemble")
-            tracker.log_params(run, {"method": ensemble.method,
-                                     "members": ",".join(ensemble.selected),
-                                     "candidates": ",".join(ensemble.members),
-                                     "weights": json.dumps(ensemble.weights_by_member()),
-                                     "top_k": plan.top_k})
+            run = tracker.ensemble_run(f"{plan.experiment}-ensemble", {
+                "method": ensemble.method, "members": ",".join(ensemble.selected),
+                "candidates": ",".join(ensemble.members),
+                "weights": json.dumps(ensemble.weights_by_member()), "top_k": plan.top_k})
             tracker.log_metrics(run, fz.scalar(ensemble.metrics))
             tracker.log_metrics(run, {f"best_single/{k}": v
                                       for k, v in fz.scalar(ensemble.best_single).items()})

@@ -326,6 +326,8 @@ def console_table(summary: dict[str, Any]) -> str:
     c = summary["counts"]
     interrupted = (f", {c['interrupted']} interrupted before the end"
                    if c.get("interrupted") else "")
+    if c.get("not_started"):
+        interrupted += f", {c['not_started']} not started"
     lines.append(f"trials: {c['trials']} ({c['completed']} completed, {c['stopped_early']} "
                  f"stopped early by ASHA, {c['errored']} errored{interrupted})")
     return "\n".join(lines)

@@ -295,15 +295,25 @@ class SearchTracker:
     def frozen(self, trial_id: str) -> bool:
         return trial_id in self.state.get("ended_before_resume", ())
 
-    def ensemble_run(self, run_name: str) -> str:
-        run_id = self.state.get("ensemble_run_id")
-        if run_id:
-            return run_id
-        run = self.client.create_run(self.experiment_id(), run_name=run_name,
-                                     tags={"mlflow.parentRunId": self.state["parent_run_id"],
-                                           "kind": "ensemble"})
+    def ensemble_run(self, run_name: str, params: dict[str, Any]) -> str:
+        """The ensemble's run with ``params`` logged.  A search finalised before (Ctrl-C,
+        then --resume) keeps its earlier ensemble run when the ensemble is the same; a
+        different ensemble gets a new run, and the earlier one (kept: MLflow params are
+        immutable, and nothing logged is thrown away) is tagged ``superseded_by``."""
+        previous = self.state.get("ensemble_run_id")
+        if previous:
+            logged = self.client.get_run(previous).data.params
+            if logged == {str(k): _param_str(v) for k, v in params.items()}:
+                return previous
+        tags = {"mlflow.parentRunId": self.state["parent_run_id"], "kind": "ensemble"}
+        if previous:
+            tags["supersedes"] = previous
+        run = self.client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
+        if previous:
+            self.client.set_tag(previous, "superseded_by", run.info.run_id)
         self.state["ensemble_run_id"] = run.info.run_id
         self.save()
+        self.log_params(run.info.run_id, params)
         return run.info.run_id
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
