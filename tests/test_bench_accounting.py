@@ -70,3 +70,19 @@ def test_overhead_trial_split_adds_up_to_the_wall_time():
     assert row["share"] == pytest.approx(48 / 60)
     # a trial whose actor Ray no longer lists is left out, not guessed
     assert oh.trial_table({"trial_y": [{**reports[0], "pid": 8}]}, actors) == []
+
+
+def test_quality_threshold_maximises_accuracy_and_table_marks_missing_cells():
+    import numpy as np
+    q = load("quality")
+    scores = np.array([0.1, 0.4, 0.35, 0.8, 0.9, 0.6])
+    gold = np.array([0, 0, 1, 1, 1, 0])
+    cut = q.best_threshold(scores, gold)
+    # sorted: 0.1(0) 0.35(1) 0.4(0) 0.6(0) 0.8(1) 0.9(1): the best cut lies between 0.6 and
+    # 0.8 and gets 5 of 6 right (only 0.35 wrong); no cut does better
+    assert 0.6 < cut < 0.8
+    assert ((scores > cut) == gold).mean() == pytest.approx(5 / 6)
+    assert max(((scores > c) == gold).mean() for c in np.linspace(0, 1, 101)) == pytest.approx(5 / 6)
+    row = {"overall": 0.5, "sst_acc": 0.25, "qqp_acc": 0.75, "sts_corr": 0.125}
+    text = q.table([("x", None, row)])
+    assert text.splitlines()[-1] == "| x | – | – | – | – | 0.500 | 0.250 | 0.750 | 0.125 |"

@@ -1,0 +1,212 @@
+"""Quality of a finished search on the *whole* validation split and dev files, beside the
+zero-shot MiniLM baseline and the published reports.
+
+    python bench/quality.py --experiment-dir ray_results/EXPERIMENT [--data-dir ../shared/data]
+        [--threads 2] [--out bench_results/quality]
+    python bench/quality.py --baseline-only            # the zero-shot rows alone
+
+A search scores its trials on the budget's slices (``medium``: 1,000 rows per task); this
+re-scores the best trial's and the ensemble members' best checkpoints on every row of the
+validation split (10 % of train, the selection split) and of the dev files (SST 1,101,
+QQP 20,212 valid rows, STS 863), and rebuilds the ensemble the search chose (same
+members, same method) from those predictions.
+
+Zero-shot baseline (no fine-tuning; the packaged MiniLM, mean-pooled sentence
+embeddings): STS = cosine of the two sentences (Pearson r is invariant to scaling it to
+0..5); QQP = cosine above a threshold, the one threshold fitted for accuracy on the
+validation split; SST = the majority class of the training rows (a sentence embedding
+without a classifier has no SST prediction: this row is the floor, not a model).
+
+Reports (``../shared/reports``, BERT-base fine-tuned on GPU on the full data, dev
+files): report 004's best, the figure the issue names.  Writes ``quality.json`` and
+prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# report 004 (../shared/reports), dev files, BERT-base on GPU, full QQP training split
+REPORT_004_DEV = {"sst_acc": 0.545, "qqp_acc": 0.908, "sts_corr": 0.894, "overall": 0.800}
+
+
+def _scores(metrics: dict, split: str) -> dict[str, float]:
+    return {k: float(metrics[f"{split}/{k}"]) for k in ("sst_acc", "qqp_acc", "sts_corr", "overall")}
+
+
+def load_full_data(base: dict, data_dir: str):
+    """The search's data settings (model, max length, split seed) with every eval row."""
+    from mtbert.config import TrainConfig
+    from mtbert.data import load_data
+    keep = {k: base[k] for k in ("model", "max_length", "val_fraction", "split_seed",
+                                 "bad_row_tolerance") if k in base}
+    cfg = TrainConfig.from_dict({**keep, "data_dir": data_dir, "max_train_per_task": 0,
+                                 "max_eval_per_task": 0}, source="quality")
+    return load_data(cfg)
+
+
+# ---------------------------------------------------------------------- zero-shot baseline
+def _embed(encoder, split, side: str, pad_id: int, batch_size: int = 128) -> np.ndarray:
+    """Mean-pooled, L2-normalised sentence embeddings of one side (a or b) of a split."""
+    import torch
+
+    from mtbert.data import _pad
+    rows = split.tokens.a if side == "a" else split.tokens.b
+    lengths = rows.lengths
+    order = np.argsort(lengths, kind="stable")
+    out = np.zeros((len(split), encoder.config.hidden_size), dtype=np.float32)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            ids, mask = _pad([rows[i] for i in idx], pad_id)
+            hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+            out[idx] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+    return out
+
+
+def _cosines(encoder, split, pad_id: int) -> np.ndarray:
+    a, b = _embed(encoder, split, "a", pad_id), _embed(encoder, split, "b", pad_id)
+    return (a * b).sum(1)
+
+
+def best_threshold(scores: np.ndarray, gold: np.ndarray) -> float:
+    """The cut that maximises accuracy of ``scores > cut`` (midpoints between sorted scores)."""
+    s = np.sort(scores)
+    cuts = np.concatenate([[s[0] - 1], (s[1:] + s[:-1]) / 2, [s[-1] + 1]])
+    acc = [((scores > c) == (gold > 0.5)).mean() for c in cuts]
+    return float(cuts[int(np.argmax(acc))])
+
+
+def zero_shot(data) -> dict[str, dict[str, float]]:
+    from mtbert.metrics import accuracy, overall_score, pearson
+    from mtbert.pretrained import load_encoder
+    encoder = load_encoder(data.model).eval()
+    train_sst = data.split("sst", "train").labels.astype(np.int64)
+    majority = int(np.bincount(train_sst, minlength=5).argmax())
+    cos_val = _cosines(encoder, data.split("qqp", "val"), data.pad_id)
+    cut = best_threshold(cos_val, data.split("qqp", "val").labels)
+    out: dict[str, dict[str, float]] = {}
+    for name in ("val", "dev"):
+        sst = data.split("sst", name).labels
+        qqp = data.split("qqp", name)
+        sts = data.split("sts", name)
+        cos_qqp = cos_val if name == "val" else _cosines(encoder, qqp, data.pad_id)
+        scores = {"sst_acc": accuracy(np.full(len(sst), majority), sst),
+                  "qqp_acc": accuracy((cos_qqp > cut).astype(np.int64), qqp.labels),
+                  "sts_corr": pearson(_cosines(encoder, sts, data.pad_id), sts.labels)}
+        scores["overall"] = overall_score(scores["sst_acc"], scores["qqp_acc"], scores["sts_corr"])
+        out[name] = scores
+    out["settings"] = {"sst_majority_class": majority, "qqp_cosine_threshold": cut}
+    return out
+
+
+# ---------------------------------------------------------------------- the search
+def rescore_search(exp_dir: Path, data) -> dict:
+    """Best trial and ensemble of the search in ``exp_dir`` on every val/dev row."""
+    from mtbert.tune import finalize as fz
+    summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
+    checkpoints = {t["trial_id"]: t["best_checkpoint"] for t in summary["trials"]
+                   if t.get("best_checkpoint")}
+    ens = summary.get("ensemble") or {}
+    members = ens.get("candidates") or [summary["best_trial"]["trial_id"]]
+    preds = {}
+    for tid in members:
+        t0 = time.perf_counter()
+        preds[tid] = fz.predict_member(checkpoints[tid], data)
+        print(f"[quality] {tid}: predicted val/dev/test in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    best_id = summary["best_trial"]["trial_id"]
+    ensemble = fz.build_ensemble(members, preds, data, ens.get("method", "vote"))
+    best = fz.scalar(ensemble.best_single) if members[0] == best_id else None
+    if best is None:  # the best trial is always the ensemble's first candidate; be safe
+        from mtbert.ensemble import task_labels
+        best = {}
+        for split in ("val", "dev"):
+            best.update(fz.scalar(fz.score_split(data, split, {
+                t: task_labels(t, v) for t, v in preds[best_id][split].items()})))
+    metrics = fz.scalar(ensemble.metrics)
+    return {"experiment": summary["experiment"], "budget": summary["budget"]["name"],
+            "best_trial": best_id, "best_searched": summary["best_trial"]["searched"],
+            "search_slices": {"val": summary["best_trial"]["val"],
+                              "dev": summary["best_trial"]["dev"],
+                              "ensemble_val": ens.get("val"), "ensemble_dev": ens.get("dev")},
+            "ensemble_method": ensemble.method, "ensemble_members": ensemble.selected,
+            "best": {s: _scores(best, s) for s in ("val", "dev")},
+            "ensemble": {s: _scores(metrics, s) for s in ("val", "dev")}}
+
+
+def table(rows: list[tuple[str, dict | None, dict | None]]) -> str:
+    head = ("| | val overall | val SST | val QQP | val STS r | dev overall | dev SST | dev QQP "
+            "| dev STS r |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [head]
+    for name, val, dev in rows:
+        cells = []
+        for part in (val, dev):
+            for k in ("overall", "sst_acc", "qqp_acc", "sts_corr"):
+                cells.append("–" if part is None else f"{part[k]:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment-dir", help="a finished search's folder (with summary.json)")
+    p.add_argument("--baseline-only", action="store_true", help="only the zero-shot rows")
+    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(REPO / "bench_results" / "quality"))
+    args = p.parse_args(argv)
+    if not args.baseline_only and not args.experiment_dir:
+        p.error("--experiment-dir is required (or --baseline-only)")
+    import torch
+    torch.set_num_threads(args.threads)
+    base: dict = {}
+    exp_dir = Path(args.experiment_dir) if args.experiment_dir else None
+    if exp_dir is not None:
+        if not (exp_dir / "summary.json").is_file():
+            print(f"error: {exp_dir}: no summary.json (not a finished search)", file=sys.stderr)
+            return 2
+        settings = json.loads((exp_dir / "mtbert_search.json").read_text(encoding="utf-8")) \
+            if (exp_dir / "mtbert_search.json").is_file() else {}
+        base = settings.get("base", {})
+    if not base:
+        from mtbert.config import TrainConfig
+        base = TrainConfig().__dict__
+    data = load_full_data(base, args.data_dir)
+    sizes = {t: {s: len(data.split(t, s)) for s in ("train", "val", "dev")}
+             for t in ("sst", "qqp", "sts")}
+    print(f"[quality] rows: {sizes}", flush=True)
+    t0 = time.perf_counter()
+    result: dict = {"rows": sizes, "zero_shot": zero_shot(data), "report_004_dev": REPORT_004_DEV}
+    print(f"[quality] zero-shot baseline in {time.perf_counter() - t0:.0f} s", flush=True)
+    if exp_dir is not None:
+        result["search"] = rescore_search(exp_dir, data)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    zs = result["zero_shot"]
+    rows = [("zero-shot MiniLM (SST: majority class)", zs["val"], zs["dev"])]
+    if "search" in result:
+        s = result["search"]
+        rows += [(f"best trial `{s['best_trial']}`", s["best"]["val"], s["best"]["dev"]),
+                 (f"ensemble ({s['ensemble_method']}, {len(s['ensemble_members'])} members)",
+                  s["ensemble"]["val"], s["ensemble"]["dev"])]
+    rows.append(("report 004 (BERT-base, GPU, full QQP)", None, REPORT_004_DEV))
+    print(table(rows))
+    print(f"[quality] wrote {out / 'quality.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
