@@ -105,8 +105,11 @@ def trial_results(exp_dir: Path) -> dict[str, list[dict]]:
 def actor_tasks() -> dict[int, dict[str, float]]:
     """Per trial-actor worker pid: when the driver submitted the actor's creation, and
     when the actor's last task ended (Unix seconds), from Ray's task table."""
+    import ray
     from ray.util.state import list_tasks
-    tasks = list_tasks(detail=True, limit=10_000, raise_on_missing_output=False)
+    # this script's own Ray (another search may run a second one on the same machine)
+    tasks = list_tasks(address=ray.get_runtime_context().gcs_address, detail=True,
+                       limit=10_000, raise_on_missing_output=False)
     by_actor: dict[str, dict] = {}
     for t in tasks:
         t = t if isinstance(t, dict) else t.__dict__
