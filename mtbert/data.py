@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from mtbert.atomic import atomic_write
 from mtbert.config import TrainConfig
 from mtbert.errors import DataError
 from mtbert.pretrained import load_tokenizer
@@ -291,15 +291,7 @@ def _tokenize(table: RawTable, tokenizer, max_length: int) -> TokenTable:
 
 
 def _write_parquet_atomic(columns: dict[str, pa.Array], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(pa.table(columns), tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(target, lambda tmp: pq.write_table(pa.table(columns), tmp))
 
 
 # --------------------------------------------------------------------------- splits

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mtbert.atomic import atomic_write
 from mtbert.tasks import TASKS
 
 
@@ -30,9 +30,9 @@ def write_predictions(folder: Path, split_name: str, splits: dict, predictions: 
         columns["prediction"] = pa.array(label)
         if split.labels is not None:
             columns["label"] = pa.array(split.labels)
-        _atomic(folder / f"{split_name}-{task}.parquet",
+        atomic_write(folder / f"{split_name}-{task}.parquet",
                 lambda tmp, cols=columns: pq.write_table(pa.table(cols), tmp))
-        _atomic(folder / f"{task}-{split_name}-output.csv",
+        atomic_write(folder / f"{task}-{split_name}-output.csv",
                 lambda tmp, ids=split.ids, values=label, t=task: write_cs224n_csv(tmp, t, ids, values))
 
 
@@ -47,8 +47,3 @@ def write_cs224n_csv(path: str | Path, task: str, ids: list[str], values: np.nda
 def read_predictions(folder: str | Path, split_name: str, task: str) -> pa.Table:
     return pq.read_table(Path(folder) / f"{split_name}-{task}.parquet")
 
-
-def _atomic(target: Path, write) -> None:
-    tmp = target.with_name(f".{target.name}.tmp")
-    write(tmp)
-    os.replace(tmp, target)

@@ -42,8 +42,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtbert.atomic import atomic_write
 from mtbert.config import TrainConfig
 from mtbert.data import MultitaskData, _pad, collate, default_cache_dir, encoding_for
 
@@ -225,14 +224,7 @@ def _try_load(path: Path, key: str, modules: dict[str, nn.Module], device, log) 
 
 
 def _save_atomic(state: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 # ---------------------------------------------------------------------- training

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import get_linear_schedule_with_warmup
 
+from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig
 from mtbert.data import MultitaskData, Split, TaskBatcher, collate, encoding_for, eval_batches
 from mtbert.errors import ConfigError
@@ -381,10 +382,7 @@ class Trainer:
 
     @staticmethod
     def _write_json(path: Path, value) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(value, indent=2, default=float), encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_json(path, value)
 
 
 # ---------------------------------------------------------------------- inference

@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = plan.budget.resolved(sum(data.train_sizes().values()))
     plan.base.update(budget.trial_fields())
-    return run_search(plan, budget, data)
+    try:
+        return run_search(plan, budget, data)
+    except KeyboardInterrupt:  # a second Ctrl-C while Tune was winding down after the first
+        print(f"error: interrupted twice: stopped without a summary; Ray's last experiment "
+              f"snapshot is kept. Continue with: python tune_driver.py --resume --experiment "
+              f"{plan.experiment} --storage-path {args.storage_path}", file=sys.stderr)
+        return 130
 
 
 def one_line(message: str) -> str:

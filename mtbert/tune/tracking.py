@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mtbert.atomic import atomic_write_text
 from mtbert.errors import MtbertError
 
 STATE_FILE = "mtbert_mlflow.json"
@@ -172,10 +173,7 @@ class SearchTracker:
             from mtbert.tune.storage import write_text
             write_text(self.state_path, json.dumps(self.state, indent=2))
             return
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
-        tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
-        tmp.replace(self.state_path)
+        atomic_write_text(self.state_path, json.dumps(self.state, indent=2))
 
     # ------------------------------------------------------------------ runs
     def experiment_id(self) -> str:
