@@ -93,3 +93,25 @@ def test_report_files_and_importances(tmp_path):
         assert (tmp_path / out["files"][key].split("/")[-1]).is_file()
     # too few usable trials: no importances, no crash
     assert param_importances(records[:1], dists) == {}
+
+
+def test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed(tmp_path):
+    """A search finalised twice (Ctrl-C, then --resume): the same ensemble keeps its MLflow
+    run; a different one gets a new run (params are immutable) and the old one is kept,
+    tagged ``superseded_by``."""
+    from mtbert.tune.tracking import SearchTracker
+    tracker = SearchTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "mtbert/test", tmp_path,
+                            fresh=True)
+    tracker.start_parent("search", {"space": "x"}, {})
+    first = tracker.ensemble_run("e", {"method": "vote", "members": "a,b"})
+    assert tracker.ensemble_run("e", {"method": "vote", "members": "a,b"}) == first
+    second = tracker.ensemble_run("e", {"method": "vote", "members": "a,c,b"})
+    assert second != first
+    old, new = tracker.client.get_run(first), tracker.client.get_run(second)
+    assert old.data.params == {"method": "vote", "members": "a,b"}
+    assert new.data.params == {"method": "vote", "members": "a,c,b"}
+    assert old.data.tags["superseded_by"] == second and new.data.tags["supersedes"] == first
+    assert new.data.tags["mlflow.parentRunId"] == tracker.parent_run_id
+    # the state file names the current ensemble, so a third finalisation reuses it
+    reread = SearchTracker(tracker.tracking_uri, "mtbert/test", tmp_path)
+    assert reread.state["ensemble_run_id"] == second
