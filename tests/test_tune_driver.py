@@ -84,8 +84,11 @@ def test_smoke_search_completes(search):
             assert rows[0] == ["id", header]
             assert len(rows) > 1
     ens = s["ensemble"]
-    assert ens["method"] == "vote" and len(ens["members"]) == 3
+    assert ens["method"] == "greedy" and len(ens["candidates"]) == 3
     assert ens["members"][0] == s["best_trial"]["trial_id"]
+    assert set(ens["members"]) <= set(ens["candidates"])
+    # greedy selection starts from the best member and keeps a mix only if val improves
+    assert ens["val"]["val/overall"] >= s["best_trial"]["val"]["val/overall"] - 1e-4
     assert {"val/overall", "val/sst_acc"} <= set(ens["val"]) and "dev/overall" in ens["dev"]
     assert "dev/overall" in s["best_trial"]["dev"]
 

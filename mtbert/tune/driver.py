@@ -78,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="if the --mlflow-uri server is unreachable at start, log to the "
                         "local SQLite store instead of stopping (a warning says so)")
     p.add_argument("--ensemble-top-k", type=int, help="ensemble size (default: the budget's)")
-    p.add_argument("--ensemble", default="vote", choices=["vote", "greedy"],
-                   help="vote: mode (SST, QQP) / median (STS); greedy: Caruana selection on val")
+    p.add_argument("--ensemble", default="greedy", choices=["greedy", "vote"],
+                   help="greedy (default): Caruana selection with replacement on val of the "
+                        "top-k, combined by weighted mode (SST, QQP) / median (STS); vote: "
+                        "all top-k with equal weight")
     p.add_argument("--max-failures", type=int, default=2,
                    help="retries of a trial whose worker died, from its last checkpoint")
     p.add_argument("--address",
