@@ -18,11 +18,12 @@ Sizing (2-core machine, packaged MiniLM, one thread per trial, two trials at onc
 a trial trains ~20 ex/s plain and ~11 ex/s with SMART on every task, so the machine
 does ~22-40 ex/s.  Async ASHA with rf=2 spends about ``n*g + n/2*g + n/4*2g + n/8*4g``
 plus the extra promotions of the first trials at each rung: ``small`` (n=8, g=1000)
-~18-23k examples + ~30 evaluations of 900 rows -> ~20-30 min; ``medium`` (n=12,
-g=4000) at most ~120k examples -> up to ~1.5 h; measured: 72k examples in 39 min, as
-async ASHA stopped 11 of the 12 at their first rungs behind a strong first trial.  ``smoke`` is for the tiny test model (a minute), or
-a 64-row slice of the real data with MiniLM (2-3 min); ``full`` is all the data
-(3 epochs per trial), meant for GPU nodes.
+~18-34k examples + ~30 evaluations of 900 rows -> ~30 min (measured: 34k examples,
+32 min, smart space); ``medium`` (n=12, g=4000) at most ~120k examples -> up to
+~1.5 h (measured: 72k examples in 39 min, as async ASHA stopped 11 of the 12 at their
+first rungs behind a strong first trial).  ``smoke`` is for the tiny test model (a
+minute), or a 64-row slice of the real data with MiniLM (2-3 min); ``full`` is all the
+data (3 epochs per trial), meant for GPU nodes.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ BUDGETS: dict[str, Budget] = {b.name: b for b in (
            max_examples=192, epochs=2, eval_every=48, eval_growth=1,
            grace_period=48, reduction_factor=3, max_train_per_task=64, max_eval_per_task=32,
            num_samples=4, ensemble_top_k=3),
-    Budget("small", "~20-30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 2 epochs",
+    Budget("small", "~30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 2 epochs",
            max_examples=6000, epochs=2, eval_every=1000, eval_growth=2,
            grace_period=1000, reduction_factor=2, max_train_per_task=1000, max_eval_per_task=300,
            num_samples=8, ensemble_top_k=3),
