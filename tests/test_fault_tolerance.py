@@ -262,7 +262,13 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
     summary = json.loads((exp_dir / "summary.json").read_text())
     analysis = ExperimentAnalysis(str(exp_dir))
     ray_ids = {t.trial_id for t in analysis.trials}
-    assert summary["counts"]["trials"] == num == len(ray_ids)
+    c = summary["counts"]
+    assert c["trials"] == len(ray_ids) and c["trials"] + c["not_started"] == num
+    # Ray snapshots its searcher apart from its trial list: a trial suggested in the instant
+    # before the kill can be counted by the restored searcher and yet be missing from the
+    # restored trials (seen in one run); the driver then says how many never ran
+    if c["not_started"]:
+        assert c["not_started"] == 1 and "never ran" in log2.read_text(), c
     assert {t["trial_id"] for t in summary["trials"]} == ray_ids
     assert set(before) <= ray_ids  # the same trial ids after the restore
     # finished trials were not re-run: same iterations, same MLflow points
@@ -294,7 +300,7 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
     assert all(r.info.status == "KILLED" and r.data.tags["trial_id"] not in ray_ids
                for r in orphans)
     children = [r for r in children if r not in orphans]
-    assert len(children) == num
+    assert len(children) == c["trials"]
     assert set(runs_at_kill) - {r.data.tags["trial_id"] for r in orphans} <= ray_ids
     by_trial = {r.data.tags["trial_id"]: r for r in children}
     assert set(by_trial) == ray_ids

@@ -629,8 +629,9 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
               "stopped_early": sum(r.status == "stopped_early" for r in records),
               "errored": sum(r.status == "error" for r in records),
               "interrupted": sum(r.status == "interrupted" for r in records),
-              # trials the search had not sampled yet when it was stopped (--resume runs them)
-              "not_started": max(0, plan.num_samples - len(records)) if interrupted else 0}
+              # trials asked for that never ran: not sampled yet when the search was
+              # interrupted (--resume runs them), or lost to a driver crash (below)
+              "not_started": max(0, plan.num_samples - len(records))}
     interrupted = interrupted or counts["interrupted"] > 0
     for r in records:  # Ctrl-C: its MLflow run is closed as KILLED; --resume reopens it
         if r.status == "interrupted" and r.trial_id in children:
@@ -727,6 +728,13 @@ def finalize_search(plan: Plan, budget: Budget, data, grid, tracker, parent_run:
               f"ran. Continue it with: python tune_driver.py "
               f"--resume --experiment {plan.experiment} --storage-path "
               f"{plan.args.storage_path}", file=sys.stderr)
+    if counts["not_started"] and not interrupted:
+        # Ray snapshots its searcher apart from its trial list: a trial suggested in the
+        # instant before a driver crash can be counted by the restored searcher and yet be
+        # missing from the restored trials, so the resumed search ends that many short
+        print(f"warning: {counts['not_started']} of the {plan.num_samples} trials asked for "
+              f"never ran (a trial suggested just before the driver died is lost from Ray's "
+              f"snapshot); start another search for more", file=sys.stderr)
     if not finalists:
         print(f"error: no trial produced a checkpoint ({counts['errored']} errored); see "
               f"{exp_dir / 'summary.md'}", file=sys.stderr)

@@ -327,7 +327,7 @@ def console_table(summary: dict[str, Any]) -> str:
     interrupted = (f", {c['interrupted']} interrupted before the end"
                    if c.get("interrupted") else "")
     if c.get("not_started"):
-        interrupted += f", {c['not_started']} not started"
+        interrupted += f", {c['not_started']} never started"
     lines.append(f"trials: {c['trials']} ({c['completed']} completed, {c['stopped_early']} "
                  f"stopped early by ASHA, {c['errored']} errored{interrupted})")
     return "\n".join(lines)
