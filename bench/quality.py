@@ -55,29 +55,26 @@ def load_full_data(base: dict, data_dir: str):
 
 
 # ---------------------------------------------------------------------- zero-shot baseline
-def _embed(encoder, split, side: str, pad_id: int, batch_size: int = 128) -> np.ndarray:
-    """Mean-pooled, L2-normalised sentence embeddings of one side (a or b) of a split."""
+def _cosines(encoder, split, pad_id: int, batch_size: int = 128) -> np.ndarray:
+    """Cosine of the mean-pooled embeddings of each row's two sentences, in row order
+    (the trainer's own length-ordered siamese batches)."""
     import torch
 
-    from mtbert.data import _pad
-    rows = split.tokens.a if side == "a" else split.tokens.b
-    lengths = rows.lengths
-    order = np.argsort(lengths, kind="stable")
-    out = np.zeros((len(split), encoder.config.hidden_size), dtype=np.float32)
+    from mtbert.data import collate, eval_batches
+
+    def pooled(ids, mask):
+        hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+
+    out = np.zeros(len(split), dtype=np.float64)
     with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            ids, mask = _pad([rows[i] for i in idx], pad_id)
-            hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-            m = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-            out[idx] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+        for idx in eval_batches(split, batch_size, "siamese"):
+            b = collate(split, idx, "siamese", pad_id)
+            a = pooled(b["input_ids_a"], b["attention_mask_a"])
+            c = pooled(b["input_ids_b"], b["attention_mask_b"])
+            out[idx] = torch.nn.functional.cosine_similarity(a, c, dim=-1).numpy()
     return out
-
-
-def _cosines(encoder, split, pad_id: int) -> np.ndarray:
-    a, b = _embed(encoder, split, "a", pad_id), _embed(encoder, split, "b", pad_id)
-    return (a * b).sum(1)
 
 
 def best_threshold(scores: np.ndarray, gold: np.ndarray) -> float:
@@ -127,16 +124,13 @@ def rescore_search(exp_dir: Path, data) -> dict:
         print(f"[quality] {tid}: predicted val/dev/test in {time.perf_counter() - t0:.0f} s",
               flush=True)
     best_id = summary["best_trial"]["trial_id"]
-    from mtbert.ensemble import task_labels
-    best: dict = {}
-    for split in ("val", "dev"):
-        best.update(fz.scalar(fz.score_split(data, split, {
-            t: task_labels(t, v) for t, v in preds[best_id][split].items()})))
-    # the search's own method, and the other one on the same candidates (greedy selects
-    # on this full validation split, so its val figures are optimistic; dev is not)
-    ensembles = {}
-    for method in dict.fromkeys([ens.get("method", "vote"), "vote", "greedy"]):
+    assert members[0] == best_id, (members, best_id)  # candidates come best first
+    # both combination rules on the same candidates (greedy selects on this full
+    # validation split, so its val figures are optimistic; dev is not)
+    ensembles, best = {}, {}
+    for method in ("vote", "greedy"):
         e = fz.build_ensemble(members, preds, data, method)
+        best = fz.scalar(e.best_single)  # member 0 alone: the best trial
         metrics = fz.scalar(e.metrics)
         ensembles[method] = {"members": e.selected, "weights": e.weights_by_member(),
                              **{s: _scores(metrics, s) for s in ("val", "dev")}}

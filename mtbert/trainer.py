@@ -196,7 +196,7 @@ class Trainer:
         if cfg.eval_dev:
             final.update(self.evaluate("dev", write_predictions=True))
             self.predict_test()
-        self._write_json(self.out_dir / "metrics.json", final)
+        atomic_write_json(self.out_dir / "metrics.json", final)
         return final
 
     def _budget_spent(self) -> bool:
@@ -348,8 +348,8 @@ class Trainer:
         }
         torch.save(state, tmp / CHECKPOINT_FILE)
         (tmp / "config.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
-        self._write_json(tmp / "metrics.json", metrics or {})
-        self._write_json(tmp / "history.json", [scalar_metrics(m) for m in self.history])
+        atomic_write_json(tmp / "metrics.json", metrics or {})
+        atomic_write_json(tmp / "history.json", [scalar_metrics(m) for m in self.history])
         if self._last_val_predictions:  # the evaluation this checkpoint belongs to
             self.write_predictions("val", self._last_val_predictions, tmp / "predictions")
         old = self.out_dir / ".checkpoint.old"
@@ -379,10 +379,6 @@ class Trainer:
         history_file = Path(checkpoint_dir) / "history.json"
         if history_file.is_file():
             self.history = json.loads(history_file.read_text(encoding="utf-8"))
-
-    @staticmethod
-    def _write_json(path: Path, value) -> None:
-        atomic_write_json(path, value)
 
 
 # ---------------------------------------------------------------------- inference

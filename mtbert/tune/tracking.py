@@ -307,11 +307,11 @@ class SearchTracker:
         if previous:
             tags["supersedes"] = previous
         run = self.client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
+        self.log_params(run.info.run_id, params)  # before the state names it as current
         if previous:
             self.client.set_tag(previous, "superseded_by", run.info.run_id)
         self.state["ensemble_run_id"] = run.info.run_id
         self.save()
-        self.log_params(run.info.run_id, params)
         return run.info.run_id
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
