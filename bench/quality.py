@@ -180,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if not base:
         from mtbert.config import TrainConfig
         base = TrainConfig().__dict__
-    data = load_full_data(base, args.data_dir)
+    from mtbert.errors import MtbertError
+    try:
+        data = load_full_data(base, args.data_dir)
+    except MtbertError as exc:  # bad data folder or model: one line, exit 2, nothing written
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     sizes = {t: {s: len(data.split(t, s)) for s in ("train", "val", "dev")}
              for t in ("sst", "qqp", "sts")}
     print(f"[quality] rows: {sizes}", flush=True)
@@ -189,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[quality] zero-shot baseline in {time.perf_counter() - t0:.0f} s", flush=True)
     if exp_dir is not None:
         result["search"] = rescore_search(exp_dir, data)
+    from mtbert.atomic import atomic_write_json
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    atomic_write_json(out / "quality.json", result)
     zs = result["zero_shot"]
     rows = [("zero-shot MiniLM (SST: majority class)", zs["val"], zs["dev"])]
     if "search" in result:
