@@ -286,12 +286,6 @@ def _type_name(typ: Any) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
-def field_choices(key: str) -> tuple[str, ...] | None:
-    """The allowed values of a Literal field, or None for numeric/bool/str fields."""
-    typ = _field_type(TrainConfig.field_spec(key))
-    return tuple(get_args(typ)) if get_origin(typ) is Literal else None
-
-
 def field_kind(key: str) -> str:
     """'choice', 'bool', 'int', 'float' or 'str'."""
     typ = _field_type(TrainConfig.field_spec(key))

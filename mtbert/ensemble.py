@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from mtbert.metrics import accuracy, overall_score, pearson
+from mtbert.metrics import accuracy, pearson
 
 COMBINE_RULE = {"sst": "mode", "qqp": "mode", "sts": "median"}
 
@@ -105,10 +105,6 @@ def task_score(task: str, labels: np.ndarray, gold: np.ndarray) -> float:
     if task == "sts":
         return pearson(labels, gold)
     return accuracy(labels, np.asarray(gold))
-
-
-def overall_from(scores: dict[str, float]) -> float:
-    return overall_score(scores["sst"], scores["qqp"], scores["sts"])
 
 
 @dataclass

@@ -43,7 +43,3 @@ def write_cs224n_csv(path: str | Path, task: str, ids: list[str], values: np.nda
         for row_id, value in zip(ids, values):
             writer.writerow([row_id, f"{value:.4f}" if task == "sts" else int(value)])
 
-
-def read_predictions(folder: str | Path, split_name: str, task: str) -> pa.Table:
-    return pq.read_table(Path(folder) / f"{split_name}-{task}.parquet")
-

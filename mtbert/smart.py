@@ -141,10 +141,6 @@ class SmartRegulariser:
             self._seen = (task, batch, _rng_state(_batch_device(batch)))
         return None
 
-    def remove(self) -> None:
-        """Detach the forward pre-hook from the model."""
-        self._hook.remove()
-
     def state_dict(self) -> dict:
         return {"teacher": dict(self.teacher)} if self.teacher is not None else {}
 
