@@ -8,7 +8,7 @@ stderr, nothing written), 1 when no trial produced a checkpoint.
 
 import sys
 
-from mtbert.tune.driver import main
+from mtbert.tune.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

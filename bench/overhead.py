@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from mtbert.tune import driver
+    from mtbert.tune import cli, cluster
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -200,14 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                    "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}", *args.extra]
     if args.num_samples:
         driver_args += ["--num-samples", str(args.num_samples)]
-    driver._quiet_environment()
+    cluster.quiet_environment()
     sampler = CpuSampler(args.sample_s)
     sampler.start()
     started = time.time()
-    driver.start_local_ray()
+    cluster.start_local_ray()
     try:
         cpus = int(ray.cluster_resources().get("CPU", 0))
-        rc = driver.main(driver_args)
+        rc = cli.main(driver_args)
         actors = actor_tasks() if rc == 0 else {}
     finally:
         sampler.stop()

@@ -111,7 +111,8 @@ def zero_shot(data) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------------- the search
 def rescore_search(exp_dir: Path, data) -> dict:
     """Best trial and ensemble of the search in ``exp_dir`` on every val/dev row."""
-    from mtbert.tune import finalize as fz
+    from mtbert.metrics import scalar_metrics
+    from mtbert.tune import finalists
     summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
     checkpoints = {t["trial_id"]: t["best_checkpoint"] for t in summary["trials"]
                    if t.get("best_checkpoint")}
@@ -120,7 +121,7 @@ def rescore_search(exp_dir: Path, data) -> dict:
     preds = {}
     for tid in members:
         t0 = time.perf_counter()
-        preds[tid] = fz.predict_member(checkpoints[tid], data)
+        preds[tid] = finalists.predict_member(checkpoints[tid], data)
         print(f"[quality] {tid}: predicted val/dev/test in {time.perf_counter() - t0:.0f} s",
               flush=True)
     best_id = summary["best_trial"]["trial_id"]
@@ -129,9 +130,9 @@ def rescore_search(exp_dir: Path, data) -> dict:
     # validation split, so its val figures are optimistic; dev is not)
     ensembles, best = {}, {}
     for method in ("vote", "greedy"):
-        e = fz.build_ensemble(members, preds, data, method)
-        best = fz.scalar(e.best_single)  # member 0 alone: the best trial
-        metrics = fz.scalar(e.metrics)
+        e = finalists.build_ensemble(members, preds, data, method)
+        best = scalar_metrics(e.best_single, finite=True)  # member 0 alone: the best trial
+        metrics = scalar_metrics(e.metrics, finite=True)
         ensembles[method] = {"members": e.selected, "weights": e.weights_by_member(),
                              **{s: _scores(metrics, s) for s in ("val", "dev")}}
     return {"experiment": summary["experiment"], "budget": summary["budget"]["name"],

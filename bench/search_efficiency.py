@@ -42,7 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-OBJECTIVE = "val/overall"
+from mtbert.tune.records import MODE, OBJECTIVE  # noqa: E402
+
 METHODS = ("grid", "random", "asha_tpe")
 LABELS = {"grid": "(a) grid, full budget", "random": "(b) random, no early stop",
           "asha_tpe": "(c) ASHA + TPE"}
@@ -55,31 +56,31 @@ def search_setup(method: str, full: int, asha_trials: int, workers: int, seed: i
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from mtbert.tune.driver import _search_alg
+    from mtbert.tune.search import build_searcher
     if method == "grid":
         space = {"dropout": tune.grid_search(list(DROPOUTS)),
                  "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
         return space, dict(num_samples=1, scheduler=FIFOScheduler(),
-                           search_alg=_search_alg("random", seed, workers, 1)), {"eval_every": full}
+                           search_alg=build_searcher("random", seed, workers, 1)), {"eval_every": full}
     space = {"dropout": tune.uniform(min(DROPOUTS), max(DROPOUTS)),
              "smart_lambda_sst": tune.uniform(min(LAMBDAS), max(LAMBDAS))}
     if method == "random":
         n = len(DROPOUTS) * len(LAMBDAS)
         return space, dict(num_samples=n, scheduler=FIFOScheduler(),
-                           search_alg=_search_alg("random", seed, workers, n)), {"eval_every": full}
+                           search_alg=build_searcher("random", seed, workers, n)), {"eval_every": full}
     grace = full // 9
     scheduler = ASHAScheduler(time_attr="examples_seen", max_t=full, grace_period=grace,
                               reduction_factor=3)
     # evaluations on the rungs only (grace * 3^k) and at the end, as the driver's budgets do
     return space, dict(num_samples=asha_trials, scheduler=scheduler,
-                       search_alg=_search_alg("optuna", seed, workers, asha_trials)), {
+                       search_alg=build_searcher("optuna", seed, workers, asha_trials)), {
                            "eval_every": grace, "eval_growth": 3.0}
 
 
 def run_method(method: str, data, base: dict, args, storage: Path) -> dict:
     from ray import tune
 
-    from mtbert.tune.driver import _trial_name
+    from mtbert.tune.search import trial_name
     from mtbert.tune.trainable import train_trial
     space, tune_kwargs, evaluation = search_setup(method, args.full_examples,
                                                   args.asha_trials, args.workers, args.seed)
@@ -87,9 +88,9 @@ def run_method(method: str, data, base: dict, args, storage: Path) -> dict:
         tune.with_parameters(train_trial, data=data, base={**base, **evaluation}), {"cpu": 1})
     tuner = tune.Tuner(
         trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode="max",
-                                    trial_name_creator=_trial_name,
-                                    trial_dirname_creator=_trial_name, **tune_kwargs),
+        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
+                                    trial_name_creator=trial_name,
+                                    trial_dirname_creator=trial_name, **tune_kwargs),
         run_config=tune.RunConfig(name=method, storage_path=str(storage), verbose=1,
                                   checkpoint_config=tune.CheckpointConfig(num_to_keep=1)))
     started = time.time()
@@ -206,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     from mtbert.config import TrainConfig
     from mtbert.data import default_cache_dir, load_data
     from mtbert.pretrained import EMBEDDED_MODEL
-    from mtbert.tune import driver
+    from mtbert.tune import cluster
 
-    driver._quiet_environment()
+    cluster.quiet_environment()
     out = Path(args.out).resolve()
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
     base = {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     print(f"[bench] training rows {data.train_sizes()}; one full training = "
           f"{args.full_examples} examples; {args.workers} workers", flush=True)
-    driver.start_local_ray(num_cpus=args.workers)
+    cluster.start_local_ray(num_cpus=args.workers)
     runs = {}
     if args.reuse:
         previous = json.loads(Path(args.reuse).read_text(encoding="utf-8"))

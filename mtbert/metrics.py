@@ -5,12 +5,22 @@ overall = (SST acc + QQP acc + (STS r + 1) / 2) / 3  (the CS 224N leaderboard).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy import stats
 
 
 def overall_score(sst_acc: float, qqp_acc: float, sts_corr: float) -> float:
     return (sst_acc + qqp_acc + (sts_corr + 1.0) / 2.0) / 3.0
+
+
+def scalar_metrics(metrics: dict, finite: bool = False) -> dict[str, float]:
+    """The numeric entries of a metrics dict (drops the confusion matrix, texts and flags):
+    what trackers can plot.  ``finite``: also drop NaN and inf (what a ranking can use)."""
+    out = {k: float(v) for k, v in metrics.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v for k, v in out.items() if math.isfinite(v)} if finite else out
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:

@@ -29,7 +29,7 @@ from mtbert.data import MultitaskData, Split, TaskBatcher, collate, encoding_for
 from mtbert.errors import ConfigError
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
-from mtbert.metrics import split_metrics, task_metrics
+from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
@@ -62,12 +62,6 @@ def next_eval_point(seen: int, every: int, growth: float = 1.0) -> int:
         k += 1
         point = int(round(every * growth ** k))
     return point
-
-
-def scalar_metrics(metrics: dict) -> dict[str, float]:
-    """The numeric entries (drops the confusion matrix): what trackers can plot."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class Trainer:

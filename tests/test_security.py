@@ -26,7 +26,8 @@ SOURCES = sorted([*(REPO / "mtbert").rglob("*.py"), REPO / "tune_driver.py",
                   *(REPO / "bench").glob("*.py"), *(REPO / "tests").glob("*.py")])
 DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", REPO / "cluster" / "aws-gpu.yaml",
         REPO / "cluster" / "kuberay-raycluster.yaml", REPO / "mtbert" / "tune" / "__init__.py",
-        REPO / "mtbert" / "tune" / "driver.py", REPO / "mtbert" / "tune" / "tracking.py"]
+        REPO / "mtbert" / "tune" / "driver.py", REPO / "mtbert" / "tune" / "cluster.py",
+        REPO / "mtbert" / "tune" / "tracking.py"]
 
 
 # ---------------------------------------------------------------------- code
@@ -150,12 +151,12 @@ def _non_loopback_ipv4() -> list[str]:
 def local_ray():
     import ray
 
-    from mtbert.tune.driver import _dashboard_url, start_local_ray
+    from mtbert.tune.cluster import dashboard_url, start_local_ray
     if ray.is_initialized():
         pytest.skip("a Ray session is already open in this process")
     start_local_ray(num_cpus=1)
     try:
-        yield _dashboard_url()
+        yield dashboard_url()
     finally:
         ray.shutdown()
 

@@ -23,7 +23,7 @@ NUM_TRIALS = 6
 def search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     import ray
 
-    from mtbert.tune.driver import main
+    from mtbert.tune.cli import main
 
     root = tmp_path_factory.mktemp("search")
     storage = root / "ray_results"
@@ -204,7 +204,7 @@ def _assert_rejected(capsys, rc, storage: Path, expected: str):
 @pytest.mark.parametrize("case", sorted(BAD_SPACE))
 def test_bad_space_file_exits_2_with_nothing_written(tmp_path, capsys, tiny_model_dir,
                                                      tiny_data_dir, case):
-    from mtbert.tune.driver import main
+    from mtbert.tune.cli import main
     space = tmp_path / f"{case}.yaml"
     space.write_text("description: bad\n" + BAD_SPACE[case], encoding="utf-8")
     storage = tmp_path / "out"
@@ -237,7 +237,7 @@ def test_bad_space_file_exits_2_with_nothing_written(tmp_path, capsys, tiny_mode
 ])
 def test_bad_cli_value_exits_2_with_nothing_written(tmp_path, capsys, tiny_model_dir,
                                                     tiny_data_dir, extra, expected):
-    from mtbert.tune.driver import main
+    from mtbert.tune.cli import main
     storage = tmp_path / "out"
     argv = ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
             "--data-dir", tiny_data_dir, "--storage-path", str(storage)]
@@ -253,7 +253,7 @@ def test_bad_cli_value_exits_2_with_nothing_written(tmp_path, capsys, tiny_model
 def test_bad_data_file_exits_2(tmp_path, capsys, tiny_model_dir, tiny_data_dir):
     import shutil
 
-    from mtbert.tune.driver import main
+    from mtbert.tune.cli import main
     data = tmp_path / "data"
     shutil.copytree(tiny_data_dir, data)
     (data / "sts-train.csv").write_text("\tid\tsentence1\tsentence2\tsimilarity\n"
@@ -265,7 +265,7 @@ def test_bad_data_file_exits_2(tmp_path, capsys, tiny_model_dir, tiny_data_dir):
 
 
 def test_existing_experiment_needs_resume(tmp_path, capsys, tiny_model_dir, tiny_data_dir):
-    from mtbert.tune.driver import main
+    from mtbert.tune.cli import main
     storage = tmp_path / "out"
     (storage / "taken").mkdir(parents=True)
     rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,

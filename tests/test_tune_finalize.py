@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mtbert.tune.finalize import build_ensemble
-from mtbert.tune.report import TrialRecord, param_importances, write_report
+from mtbert.tune.finalists import build_ensemble
+from mtbert.tune.importances import param_importances
+from mtbert.tune.records import TrialRecord
+from mtbert.tune.report import write_report
 
 
 class FakeData:

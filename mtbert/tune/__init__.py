@@ -8,22 +8,16 @@ Run it with ``python tune_driver.py --space NAME`` (``--help``, ``--list-spaces`
     python tune_driver.py --space full --budget full --gpus-per-trial 0.5 --address auto
     python tune_driver.py --resume --experiment smart-small-20250101-120000
 
-Modules:
-
-* :mod:`~mtbert.tune.spaces`    -- YAML search spaces (``search_spaces/``), validated
-  against :class:`~mtbert.config.TrainConfig`, mapped to Ray Tune / Optuna distributions;
-* :mod:`~mtbert.tune.budgets`   -- ``smoke | small | medium | full``: examples per trial,
-  evaluation interval, ASHA grace period / reduction factor, data slice, defaults;
-* :mod:`~mtbert.tune.trainable` -- the function trainable around the Trainer
-  (``tune.report`` + ``tune.Checkpoint`` after each evaluation, ``get_checkpoint`` on retry);
-* :mod:`~mtbert.tune.driver`    -- CLI, validation (exit 2, nothing written), Ray / Tuner
-  setup (Optuna TPE behind a ConcurrencyLimiter or random search; ASHA on examples seen;
-  best-k checkpoints by ``val/overall``; FailureConfig retries), the end-of-search steps;
-* :mod:`~mtbert.tune.tracking` + :mod:`~mtbert.tune.callback` -- MLflow parent / child /
-  ensemble runs, logged from the driver by a ``ray.tune.Callback``;
-* :mod:`~mtbert.tune.finalize`  -- trial records, ensemble of the top-k best checkpoints
-  (:mod:`mtbert.ensemble`), summary.json / summary.md;
-* :mod:`~mtbert.tune.report`    -- best-so-far and learning-curve plots, Optuna importances.
+A search, as :func:`mtbert.tune.driver.run` reads: :mod:`~mtbert.tune.cli` parses the
+arguments, :mod:`~mtbert.tune.settings` checks them into one frozen ``SearchSettings``
+(exit 2, nothing written, on bad input), the driver loads and tokenises the data once,
+starts or joins Ray (:mod:`~mtbert.tune.cluster`), opens the MLflow parent run
+(:mod:`~mtbert.tune.tracking`), runs the Tuner (:mod:`~mtbert.tune.search`: Optuna TPE
++ ASHA over :mod:`~mtbert.tune.trainable` trials, each mirrored into MLflow by
+:mod:`~mtbert.tune.callback`), collects the trials (:mod:`~mtbert.tune.records`), lets
+the finalists' best checkpoints predict and ensembles them (:mod:`~mtbert.tune.finalists`),
+writes the plots (:mod:`~mtbert.tune.report`) and the summary
+(:mod:`~mtbert.tune.summary`), logs to MLflow and uploads (:mod:`~mtbert.tune.location`).
 
 Outputs of a search ``<storage>/<experiment>/`` (default ``./ray_results/...``):
 Ray's trial folders and checkpoints, ``summary.json``, ``summary.md``,

@@ -68,11 +68,10 @@ class Budget:
         max_examples = max(self.epochs * total_train_rows, self.grace_period)
         return Budget(**{**asdict(self), "max_examples": max_examples})
 
-    def rungs(self, max_examples: int | None = None) -> list[int]:
+    def rungs(self) -> list[int]:
         """ASHA milestones in examples, as Ray's ASHA computes them (one bracket)."""
-        max_t = max_examples or self.max_examples
         out, k = [], 0
-        while self.grace_period * self.reduction_factor ** k <= max_t:
+        while self.grace_period * self.reduction_factor ** k <= self.max_examples:
             out.append(int(self.grace_period * self.reduction_factor ** k))
             k += 1
         return out

@@ -11,18 +11,9 @@ from typing import Any
 
 from ray.tune import Callback
 
-from mtbert.tune.tracking import LOGGED_RUN_KEYS, SearchTracker, error_reason, rung_reached
-
-
-def effective_config(base: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Every TrainConfig field of a trial (defaults included); raw values if invalid."""
-    from mtbert.config import TrainConfig
-    from mtbert.errors import ConfigError
-    values = {**base, **config, "eval_dev": False}
-    try:
-        return TrainConfig.from_dict(values, source="trial config").to_dict()
-    except ConfigError:
-        return values
+from mtbert.tune.records import RUN_KEYS, TrialStatus, error_reason, rung_reached, trial_status
+from mtbert.tune.settings import trial_config_values
+from mtbert.tune.tracking import SearchTracker
 
 
 class MlflowTrialCallback(Callback):
@@ -38,7 +29,7 @@ class MlflowTrialCallback(Callback):
 
     def _run_for(self, trial) -> str:
         return self.tracker.child_run(trial.trial_id, str(trial),
-                                      effective_config(self.base, trial.config))
+                                      trial_config_values(self.base, trial.config))
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self._run_for(trial)
@@ -52,7 +43,7 @@ class MlflowTrialCallback(Callback):
         self._run_for(trial)
         metrics = {k: v for k, v in result.items()  # not time/entered_at: a clock reading
                    if isinstance(k, str) and (k.startswith(("val/", "train/", "time/"))
-                                              or k in LOGGED_RUN_KEYS) and not k.endswith("_at")}
+                                              or k in RUN_KEYS) and not k.endswith("_at")}
         step = int(result.get("examples_seen", result.get("training_iteration", 0)))
         self.tracker.log_trial_result(trial.trial_id, metrics, step)
         node = result.get("node_id")
@@ -70,10 +61,10 @@ class MlflowTrialCallback(Callback):
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._run_for(trial)
         seen = int((trial.last_result or {}).get("examples_seen", 0))
-        early = seen < self.max_examples
-        self.tracker.end_trial(trial.trial_id, "FINISHED", {
-            "status": "stopped_early" if early else "completed",
-            "stopped_early": str(early).lower(),
+        status = trial_status(seen, self.max_examples)
+        self.tracker.end_trial(trial.trial_id, status.run_status, {
+            "status": status,
+            "stopped_early": str(status == TrialStatus.STOPPED_EARLY).lower(),
             "rung_reached": rung_reached(seen, self.rungs),
             "examples_seen": seen,
         })
@@ -81,8 +72,28 @@ class MlflowTrialCallback(Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         self._run_for(trial)
         seen = int((trial.last_result or {}).get("examples_seen", 0))
-        self.tracker.end_trial(trial.trial_id, "FAILED", {
-            "status": "error", "stopped_early": "false",
+        status = TrialStatus.ERROR
+        self.tracker.end_trial(trial.trial_id, status.run_status, {
+            "status": status, "stopped_early": "false",
             "rung_reached": rung_reached(seen, self.rungs), "examples_seen": seen,
             "error_reason": error_reason(trial),
         })
+
+
+def close_unended_runs(tracker: SearchTracker, records) -> None:
+    """After the fit: the runs of trials Tune did not end.  A trial interrupted by Ctrl-C
+    is closed KILLED (``--resume`` reopens it); a run whose trial is unknown to the
+    restored search (it started just before a driver crash, after Ray's last experiment
+    snapshot: the restored search samples another trial instead) is closed as orphaned."""
+    children = tracker.state.get("children", {})
+    for r in records:
+        r.mlflow_run_id = children.get(r.trial_id, {}).get("run_id")
+        if r.status == TrialStatus.INTERRUPTED and r.trial_id in children:
+            tracker.end_trial(r.trial_id, r.status.run_status, {
+                "status": r.status, "stopped_early": "false", "examples_seen": r.examples_seen})
+    known = {r.trial_id for r in records}
+    for tid in sorted(set(children) - known):
+        if children[tid].get("status") in (None, "RUNNING"):
+            tracker.end_trial(tid, TrialStatus.ORPHANED.run_status, {
+                "status": TrialStatus.ORPHANED, "error_reason": "started just before the "
+                "driver crashed, after Ray's last experiment snapshot: not resumed"})

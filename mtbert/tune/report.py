@@ -1,14 +1,12 @@
-"""The search report: plots (matplotlib, Agg) and Optuna hyperparameter importances.
+"""The search report: plots (matplotlib, Agg) of the trials and of their importances.
 
 * ``best_so_far.png`` -- best validation overall so far against training examples
   spent by the whole search (all trials' results in wall-clock order), every
   evaluation as a dot, ASHA stops marked with an x;
 * ``learning_curves.png`` -- validation overall against examples seen, one line per
   trial (dashed = stopped early by ASHA, red x = error);
-* ``importances.png`` / ``importances.json`` -- hyperparameter importances from
-  Optuna's evaluators (fANOVA, and PED-ANOVA where it applies) on a study rebuilt from
-  the finished trials with ``optuna.trial.create_trial`` (value = the trial's best
-  validation overall);
+* ``importances.png`` / ``importances.json`` -- the hyperparameter importances that
+  :mod:`mtbert.tune.importances` computes with Optuna;
 * ``sst_confusion.png`` -- a confusion matrix plot (per trial and for the ensemble).
 """
 
@@ -16,33 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-
-@dataclass
-class TrialRecord:
-    """What the report and the summary need of one trial (plain data)."""
-    trial_id: str
-    name: str
-    status: str                      # completed | stopped_early | error | interrupted
-    config: dict[str, Any]           # the sampled values
-    history: list[dict[str, float]] = field(default_factory=list)  # one per evaluation
-    best: dict[str, float] = field(default_factory=dict)           # metrics at the best eval
-    best_checkpoint: str | None = None
-    examples_seen: int = 0
-    rung_reached: int = 0
-    error: str = ""
-    mlflow_run_id: str | None = None
-
-    @property
-    def best_score(self) -> float:
-        value = self.best.get("val/overall")
-        return float(value) if value is not None and math.isfinite(value) else float("-inf")
+from mtbert.tune.importances import param_importances
+from mtbert.tune.records import OBJECTIVE, TrialRecord, TrialStatus
 
 
 def _plt():
@@ -52,7 +30,7 @@ def _plt():
     return plt
 
 
-def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = "val/overall") -> Path:
+def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECTIVE) -> Path:
     plt = _plt()
     events = []  # (timestamp, trial, examples_seen, value)
     for t in trials:
@@ -75,7 +53,7 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = "val/o
         best = max(best, value)
         best_x.append(spent)
         best_y.append(best)
-        if t.status == "stopped_early" and last_event[t.trial_id] == i:
+        if t.status == TrialStatus.STOPPED_EARLY and last_event[t.trial_id] == i:
             stops_x.append(spent)
             stops_y.append(value)
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -94,7 +72,7 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = "val/o
     return path
 
 
-def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = "val/overall",
+def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECTIVE,
                          rungs: list[int] | None = None) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -105,10 +83,10 @@ def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = "v
         if not pts:
             continue
         x, y = zip(*pts)
-        style = "--" if t.status == "stopped_early" else "-"
+        style = "--" if t.status == TrialStatus.STOPPED_EARLY else "-"
         ax.plot(x, y, style, marker=".", color=f"C{i % 10}", lw=1.2,
                 label=f"{t.trial_id} ({t.status})")
-        if t.status == "error":
+        if t.status == TrialStatus.ERROR:
             ax.scatter([x[-1]], [y[-1]], marker="x", color="red", s=40)
     ax.set_xlabel("examples seen by the trial")
     ax.set_ylabel(f"validation {metric.split('/')[-1]}")
@@ -120,52 +98,6 @@ def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = "v
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def param_importances(trials: list[TrialRecord], distributions: dict[str, Any],
-                      metric: str = "val/overall") -> dict[str, dict[str, float]]:
-    """{evaluator: {param: importance}} from Optuna; evaluators that cannot run are skipped.
-
-    The study holds one COMPLETE trial per finished trial (errored ones are left
-    out) with its sampled params and its best validation score.  Params that took a
-    single value in every trial carry no information and are dropped.
-    """
-    import optuna
-    from optuna.importance import FanovaImportanceEvaluator, PedAnovaImportanceEvaluator
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    usable = [t for t in trials if t.status != "error" and math.isfinite(t.best_score)]
-    keys = [k for k, d in distributions.items() if d is not None
-            and len({_hashable(t.config.get(k)) for t in usable}) > 1]
-    if len(usable) < 2 or not keys:
-        return {}
-    study = optuna.create_study(direction="maximize")
-    for t in usable:
-        params = {k: t.config[k] for k in keys if k in t.config}
-        if len(params) != len(keys):
-            continue
-        try:
-            study.add_trial(optuna.trial.create_trial(
-                params=params, distributions={k: distributions[k] for k in keys},
-                value=t.best_score))
-        except ValueError:
-            continue  # a value outside the distribution (space changed on resume)
-    out: dict[str, dict[str, float]] = {}
-    evaluators = {"fanova": FanovaImportanceEvaluator(seed=0),
-                  "ped_anova": PedAnovaImportanceEvaluator()}
-    for name, evaluator in evaluators.items():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                imp = optuna.importance.get_param_importances(study, evaluator=evaluator)
-            out[name] = {k: float(v) for k, v in imp.items()}
-        except Exception as exc:  # noqa: BLE001 -- too few trials etc.: report, don't fail
-            out[name] = {"_error": str(exc)[:200]}  # type: ignore[dict-item]
-    return out
-
-
-def _hashable(value: Any) -> Any:
-    return json.dumps(value, sort_keys=True, default=str)
 
 
 def importances_plot(importances: dict[str, dict[str, float]], path: Path) -> Path | None:
@@ -206,13 +138,13 @@ def confusion_plot(confusion: list[list[int]] | np.ndarray, path: Path, title: s
 
 
 def write_report(trials: list[TrialRecord], distributions: dict[str, Any], folder: Path,
-                 metric: str = "val/overall", rungs: list[int] | None = None) -> dict[str, Any]:
+                 metric: str = OBJECTIVE, rungs: list[int] | None = None) -> dict[str, Any]:
     """All report files into ``folder``; returns {name: path} and the importances."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {"best_so_far": str(best_so_far_plot(trials, folder / "best_so_far.png", metric)),
              "learning_curves": str(learning_curves_plot(trials, folder / "learning_curves.png",
                                                          metric, rungs))}
-    importances = param_importances(trials, distributions, metric)
+    importances = param_importances(trials, distributions)
     (folder / "importances.json").write_text(json.dumps(importances, indent=2), encoding="utf-8")
     files["importances_json"] = str(folder / "importances.json")
     plot = importances_plot(importances, folder / "importances.png")

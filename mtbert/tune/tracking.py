@@ -24,7 +24,6 @@ trial are kept in ``<experiment dir>/mtbert_mlflow.json``, so a resumed search
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +32,8 @@ from typing import Any
 
 from mtbert.atomic import atomic_write_text
 from mtbert.errors import MtbertError
+from mtbert.metrics import scalar_metrics
+from mtbert.tune import location as loc
 
 STATE_FILE = "mtbert_mlflow.json"
 #: state file -> its state, shared by every tracker of this process: on ``Tuner.restore``
@@ -40,7 +41,6 @@ STATE_FILE = "mtbert_mlflow.json"
 #: tracker; both must see the same run ids, or the driver's end-of-search steps would miss
 #: the trials started after the restore and overwrite the file with stale ids
 _SHARED_STATES: dict[str, dict[str, Any]] = {}
-LOGGED_RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
 
 
 class TrackingError(MtbertError):
@@ -60,7 +60,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             db = Path.cwd() / db
         if db.exists() and not db.is_file():
             raise TrackingError(f"--mlflow-uri {uri}: {db} exists and is not a file")
-        _check_creatable(db.parent, f"--mlflow-uri {uri}")
+        loc.check_creatable(db.parent, f"--mlflow-uri {uri}", TrackingError)
         return
     if uri.startswith(("http://", "https://")):
         url = uri.rstrip("/") + "/health"
@@ -79,30 +79,10 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
         if folder.exists() and not folder.is_dir():
             raise TrackingError(f"--mlflow-uri {uri}: {folder} exists and is not a folder")
-        _check_creatable(folder.parent if not folder.exists() else folder, f"--mlflow-uri {uri}")
+        loc.check_creatable(folder, f"--mlflow-uri {uri}", TrackingError)
         return
     raise TrackingError(f"--mlflow-uri {uri}: unsupported scheme; use sqlite:///PATH.db, "
                         "http(s)://HOST:PORT or a local folder")
-
-
-def _check_creatable(folder: Path, what: str) -> None:
-    probe = folder.resolve()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise TrackingError(f"{what}: {probe} is not a folder")
-    if not os.access(probe, os.W_OK) or not _can_mkdir(probe):
-        raise TrackingError(f"{what}: {probe} is not writable")
-
-
-def _can_mkdir(folder: Path) -> bool:
-    """Really try (and undo): ``os.access`` says yes to root even on a read-only mount."""
-    import tempfile
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".mtbert-probe-", dir=folder))
-    except OSError:
-        return False
-    return True
 
 
 def artifact_root_for(uri: str) -> str | None:
@@ -119,11 +99,10 @@ class SearchTracker:
 
     def __init__(self, tracking_uri: str, experiment_name: str, state_dir: str | Path,
                  fresh: bool = False):
-        from mtbert.tune.storage import is_uri, join
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         # a local Path, or a URI string (s3://..., file://...) read/written with pyarrow.fs
-        self.state_path: Path | str = (join(str(state_dir), STATE_FILE) if is_uri(str(state_dir))
+        self.state_path: Path | str = (loc.join(str(state_dir), STATE_FILE) if loc.is_uri(str(state_dir))
                                        else Path(state_dir) / STATE_FILE)
         self._client = None
         self._state: dict[str, Any] | None = None
@@ -138,9 +117,8 @@ class SearchTracker:
     def __setstate__(self, state):
         self.tracking_uri = state["tracking_uri"]
         self.experiment_name = state["experiment_name"]
-        from mtbert.tune.storage import is_uri
         path = state["state_path"]
-        self.state_path = path if is_uri(path) else Path(path)
+        self.state_path = path if loc.is_uri(path) else Path(path)
         self._client = None
         self._state = None
 
@@ -157,8 +135,7 @@ class SearchTracker:
             self._state = _SHARED_STATES[str(self.state_path)]
         if self._state is None:
             if isinstance(self.state_path, str):
-                from mtbert.tune.storage import read_text
-                text = read_text(self.state_path)
+                text = loc.read_text(self.state_path)
             elif self.state_path.is_file():
                 text = self.state_path.read_text(encoding="utf-8")
             else:
@@ -170,8 +147,7 @@ class SearchTracker:
 
     def save(self) -> None:
         if isinstance(self.state_path, str):
-            from mtbert.tune.storage import write_text
-            write_text(self.state_path, json.dumps(self.state, indent=2))
+            loc.write_text(self.state_path, json.dumps(self.state, indent=2))
             return
         atomic_write_text(self.state_path, json.dumps(self.state, indent=2))
 
@@ -216,8 +192,7 @@ class SearchTracker:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        items = [Metric(k, v, now, int(step)) for k, v in scalar_metrics(metrics).items()]
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i:i + 500])
 
@@ -326,28 +301,89 @@ def _param_str(value: Any) -> str:
     return text[:6000]
 
 
-def rung_reached(examples_seen: int, rungs: list[int]) -> int:
-    """How many ASHA rungs (milestones in examples) the trial got past: 0 = none."""
-    return sum(1 for r in rungs if examples_seen >= r)
+# ---------------------------------------------------------------------- end of a search
+def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], data,
+                      preds: dict[str, dict], dev_of: dict[str, dict[str, float]]) -> None:
+    """Per trial run: its config, how it ended, its best checkpoint's validation
+    predictions and SST confusion plot; for finalists (``preds``: trial id -> its
+    val/dev/test predictions) those predictions and its dev scores."""
+    import tempfile
+
+    import yaml
+
+    from mtbert.tune.finalists import write_member_predictions
+    from mtbert.tune.report import confusion_plot
+    from mtbert.tune.settings import trial_config_values
+    with tempfile.TemporaryDirectory(prefix="mtbert-mlflow-") as tmp:
+        for r in records:
+            if not r.mlflow_run_id:
+                continue
+            run_dir = Path(tmp) / r.trial_id
+            run_dir.mkdir()
+            config_file = run_dir / "config.yaml"
+            config_file.write_text(yaml.safe_dump(trial_config_values(base, r.config),
+                                                  sort_keys=False), encoding="utf-8")
+            tracker.log_artifact(r.mlflow_run_id, config_file)
+            tracker.set_tags(r.mlflow_run_id, {"best_val_overall": f"{r.best_score:.6f}",
+                                               "status": r.status})
+            if r.best_checkpoint:
+                ckpt = Path(r.best_checkpoint)
+                for f in sorted((ckpt / "predictions").glob("val-*.parquet")):
+                    tracker.log_artifact(r.mlflow_run_id, f, "predictions")
+                metrics_file = ckpt / "metrics.json"
+                if metrics_file.is_file():
+                    m = json.loads(metrics_file.read_text(encoding="utf-8"))
+                    if "val/sst_confusion" in m:
+                        png = confusion_plot(m["val/sst_confusion"], run_dir / "sst_confusion.png",
+                                             f"{r.trial_id}: val SST at {m.get('examples_seen')} ex.")
+                        tracker.log_artifact(r.mlflow_run_id, png)
+            if r.trial_id in preds:
+                folder = write_member_predictions(run_dir / "finalist", data, preds[r.trial_id])
+                for f in sorted(folder.glob("*")):
+                    tracker.log_artifact(r.mlflow_run_id, f, "finalist_predictions")
+                if dev_of.get(r.trial_id):
+                    tracker.log_metrics(r.mlflow_run_id, dev_of[r.trial_id], step=r.examples_seen)
 
 
-def error_reason(trial) -> str:
-    """The last line of the trial's error (e.g. ``TrialFailed: non-finite loss: ...``)."""
-    text = ""
-    try:
-        if trial.error_file and Path(trial.error_file).is_file():
-            text = Path(trial.error_file).read_text(encoding="utf-8", errors="replace")
-    except (OSError, TypeError):
-        text = ""
-    return summarize_error(text) or "unknown error (see the trial's error.txt)"
+def log_ensemble_run(tracker: SearchTracker, name: str, ensemble, top_k: int,
+                     predictions: Path, val_sst_gold) -> str:
+    """The ensemble's run (a child of the parent): its members and weights as params,
+    val/dev metrics beside the best single member's, predictions, SST confusion plot."""
+    import tempfile
+
+    from mtbert.metrics import confusion_matrix
+    from mtbert.tune.report import confusion_plot
+    run = tracker.ensemble_run(name, {
+        "method": ensemble.method, "members": ",".join(ensemble.selected),
+        "candidates": ",".join(ensemble.members),
+        "weights": json.dumps(ensemble.weights_by_member()), "top_k": top_k})
+    tracker.log_metrics(run, scalar_metrics(ensemble.metrics, finite=True))
+    tracker.log_metrics(run, {f"best_single/{k}": v for k, v in
+                              scalar_metrics(ensemble.best_single, finite=True).items()})
+    for f in sorted(predictions.glob("*")):
+        tracker.log_artifact(run, f, "predictions")
+    if "sst" in ensemble.labels.get("val", {}):
+        with tempfile.TemporaryDirectory(prefix="mtbert-mlflow-") as tmp:
+            cm = confusion_matrix(ensemble.labels["val"]["sst"], val_sst_gold, 5)
+            tracker.log_artifact(run, confusion_plot(cm, Path(tmp) / "sst_confusion.png",
+                                                     "ensemble: val SST"))
+    tracker.finish(run)
+    return run
 
 
-def summarize_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "TrialFailed:" in ln:
-            return ln[ln.index("TrialFailed:"):][:500]
-    for ln in reversed(lines):
-        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
-            return ln[:500]
-    return lines[-1][:500] if lines else ""
+def log_search_metrics(tracker: SearchTracker, parent_run: str, summary) -> None:
+    """The parent run: trial counts, the best trial's and the ensemble's scores, the
+    best trial's id, and the report files."""
+    c = summary.counts
+    metrics = {"trials_completed": c.completed, "trials_stopped_early": c.stopped_early,
+               "trials_errored": c.errored}
+    if summary.best_trial:
+        b = summary.best_trial
+        metrics.update({f"best/{k}": v for k, v in {**b.val, **b.dev}.items()})
+        tracker.set_tags(parent_run, {"best_trial_id": b.trial_id})
+    if summary.ensemble:
+        e = summary.ensemble
+        metrics.update({f"ensemble/{k}": v for k, v in {**e.val, **e.dev}.items()})
+    tracker.log_metrics(parent_run, metrics)
+    for path in summary.report_files.values():
+        tracker.log_artifact(parent_run, path, "report")

@@ -27,24 +27,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mtbert.errors import ConfigError
+from mtbert.metrics import scalar_metrics
+from mtbert.tune.records import OBJECTIVE, RUN_KEYS
+from mtbert.tune.settings import trial_config
+
 FAILED_MARKER = "mtbert_failed.txt"
 
-#: the metrics sent to Ray each evaluation besides every ``val/*`` and ``train/*`` key;
-#: the current learning rate goes as ``train/lr`` (``lr`` is the searched hyperparameter)
-RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
-#: besides the trainer's ``time/*`` seconds (setup, train, eval, checkpoint), the trainable
-#: adds ``time/entered_at`` (Unix time the trial function was entered in its Ray actor,
-#: after Ray started the actor and fetched the data from the object store),
-#: ``time/startup_s`` (entry to a ready Trainer: imports, model load, setup) and
-#: ``time/cpu_s`` (CPU seconds of the actor process since entry, all threads) and
-#: ``time/reported_at`` (Unix time of this report; Ray's ``timestamp`` is whole seconds)
+# Each report carries the val/*, train/* and run counters (RUN_KEYS) of the evaluation and,
+# besides the trainer's time/* seconds (setup, train, eval, checkpoint): time/entered_at
+# (Unix time the trial function was entered in its Ray actor, after Ray started the actor
+# and fetched the data from the object store), time/startup_s (entry to a ready Trainer:
+# imports, model load, setup), time/cpu_s (CPU seconds of the actor process since entry,
+# all threads) and time/reported_at (Unix time of this report; Ray's timestamp is whole
+# seconds).
+
 #: first in the report: Ray's progress table shows the first four metrics
-HEADLINE = ("val/overall", "val/sst_acc", "val/qqp_acc", "val/sts_corr")
+HEADLINE = (OBJECTIVE, "val/sst_acc", "val/qqp_acc", "val/sts_corr")
 
 
 def ray_metrics(metrics: dict) -> dict[str, float]:
     """The scalar metrics of one evaluation as reported to Ray (headline keys first)."""
-    from mtbert.trainer import scalar_metrics
     scalars = scalar_metrics(metrics)
     if "lr" in scalars:
         scalars["train/lr"] = scalars.pop("lr")
@@ -57,17 +60,6 @@ def ray_metrics(metrics: dict) -> dict[str, float]:
 
 class TrialFailed(RuntimeError):
     """A trial that cannot succeed (bad config combination, NaN loss); not worth a retry."""
-
-
-def trial_config(base: dict[str, Any], config: dict[str, Any]):
-    """The TrainConfig of a trial: base values, then the trial's sampled values."""
-    from mtbert.config import TrainConfig
-    from mtbert.errors import ConfigError
-    values = {**base, **config, "eval_dev": False}
-    try:
-        return TrainConfig.from_dict(values, source="trial config")
-    except ConfigError as exc:
-        raise TrialFailed(f"invalid trial config: {exc}") from None
 
 
 def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None = None,
@@ -123,7 +115,10 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
-    cfg = trial_config(base, config)
+    try:
+        cfg = trial_config(base, config)
+    except ConfigError as exc:
+        raise TrialFailed(f"invalid trial config: {exc}") from None
     work = Path(tempfile.mkdtemp(prefix="mtbert-trial-"))
 
     import ray

@@ -1,4 +1,4 @@
-"""Where a search keeps its results: a local folder (as before) or a URI that every node reaches.
+"""Where a search keeps its results: a local folder or a URI that every node reaches.
 
 ``--storage-path`` is either a local path (``ray_results``, ``/mnt/nfs/mtbert``: the
 driver writes its files there with plain file I/O, exactly as for a single machine) or
@@ -13,6 +13,9 @@ ensemble predictions) are written to a local staging folder
 (``$MTBERT_CACHE/experiments/...``, default ``~/.cache/mtbert/experiments/...``) and
 copied to ``URI/<experiment>/`` -- the settings and MLflow-id files at once, everything
 else when the search ends -- so ``--resume`` works from any machine that reaches the URI.
+
+:class:`ExperimentLocation` names one experiment's places (local folder, URI, what Ray
+is given, what users are shown); :func:`check_creatable` is the one write probe.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtbert.errors import ConfigError
@@ -31,6 +36,8 @@ SCHEMES = {"file": "LocalFileSystem", "s3": "S3FileSystem", "gs": "GcsFileSystem
            "gcs": "GcsFileSystem", "abfs": "AzureFileSystem", "abfss": "AzureFileSystem",
            "hdfs": "HadoopFileSystem"}
 _BUCKETED = {"s3", "gs", "gcs", "abfs", "abfss"}
+#: local copies of a URI storage's best checkpoints, inside the staging experiment folder
+STAGED_CHECKPOINTS = "_checkpoints"
 _HINT = ("use a local folder or a URI: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
          "abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX, hdfs://HOST:PORT/PATH "
          "or file:///ABSOLUTE/PATH")
@@ -157,6 +164,25 @@ def uri_of(uri: str, fs_path: str) -> str:
     return fs_path
 
 
+def check_creatable(folder: Path, what: str, error: type[ConfigError] = ConfigError) -> None:
+    """Raise ``error`` unless a folder can be created at ``folder`` (or in it)."""
+    probe = Path(folder).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK) or not _can_mkdir(probe):
+        raise error(f"{what}: cannot create a folder under {probe}")
+
+
+def _can_mkdir(folder: Path) -> bool:
+    """Really try (and undo): ``os.access`` says yes to root even on /proc or a read-only
+    mount."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mtbert-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
+
+
 def staging_root(uri: str) -> Path:
     """Local folder where the driver writes its files for a URI storage root."""
     base = Path(os.environ.get("MTBERT_CACHE") or Path.home() / ".cache" / "mtbert").expanduser()
@@ -167,3 +193,80 @@ def staging_root(uri: str) -> Path:
 
 def reset_staging(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ExperimentLocation:
+    """One experiment's places: ``storage`` is the local root (the storage folder, or the
+    staging folder of a URI), ``storage_uri`` the ``--storage-path`` URI if it is one."""
+    storage: Path
+    experiment: str
+    storage_uri: str | None = None
+
+    @property
+    def exp_dir(self) -> Path:
+        """Local: the experiment folder (or its staging copy for a URI)."""
+        return self.storage / self.experiment
+
+    @property
+    def exp_uri(self) -> str | None:
+        return join(self.storage_uri, self.experiment) if self.storage_uri else None
+
+    @property
+    def ray_storage(self) -> str:
+        """``RunConfig(storage_path=...)``."""
+        return self.storage_uri or str(self.storage)
+
+    @property
+    def ray_experiment(self) -> str:
+        """The experiment's location for Ray (``Tuner.restore``) and for users."""
+        return self.exp_uri or str(self.exp_dir)
+
+    def taken(self) -> bool:
+        return exists(self.exp_uri) if self.exp_uri else self.exp_dir.exists()
+
+    def public(self, path: str | Path | None) -> str | None:
+        """A path under the local experiment folder as users find it (the URI copy)."""
+        if path is None or not self.exp_uri:
+            return None if path is None else str(path)
+        try:
+            rel = Path(path).resolve().relative_to(self.exp_dir.resolve())
+        except ValueError:
+            return str(path)
+        return join(self.exp_uri, *rel.parts) if rel.parts else self.exp_uri
+
+    def read(self, name: str) -> str | None:
+        """A file of the experiment (the URI copy where there is one), None if absent."""
+        if self.exp_uri:
+            return read_text(join(self.exp_uri, name))
+        path = self.exp_dir / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    def write(self, name: str, text: str) -> None:
+        """A file of the experiment, locally and (for a URI) at once to the URI too."""
+        self.exp_dir.mkdir(parents=True, exist_ok=True)
+        (self.exp_dir / name).write_text(text, encoding="utf-8")
+        if self.exp_uri:
+            write_text(join(self.exp_uri, name), text)
+
+    def upload(self, skip: tuple[str, ...] = ()) -> None:
+        """Copy the local experiment files to the URI (nothing for a local storage)."""
+        if self.exp_uri:
+            upload_tree(self.exp_dir, self.exp_uri, skip=skip)
+
+    def stage_best_checkpoints(self, records, with_model: set[str]) -> dict[str, str]:
+        """For a URI storage: local copies of each trial's best checkpoint (metrics, config,
+        validation predictions; the model state only for the trials in ``with_model``),
+        under ``STAGED_CHECKPOINTS``; each record then names its local copy.  Returns
+        ``{trial_id: the checkpoint's URI}`` (where users find it)."""
+        stored: dict[str, str] = {}
+        if not self.storage_uri:
+            return stored
+        for r in records:
+            if r.best_checkpoint:
+                stored[r.trial_id] = uri_of(self.storage_uri, r.best_checkpoint)
+                r.best_checkpoint = str(download_checkpoint(
+                    self.storage_uri, r.best_checkpoint,
+                    self.exp_dir / STAGED_CHECKPOINTS / r.trial_id,
+                    with_state=r.trial_id in with_model))
+        return stored

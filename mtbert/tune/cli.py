@@ -1,0 +1,116 @@
+"""``python tune_driver.py``: the command line of a search and its exit codes.
+
+Exit codes: 0 the search ran and its summary is written; 1 no trial produced a
+checkpoint; 2 bad input (one ``error: ...`` line on stderr, nothing written); 130 the
+search was interrupted (Ctrl-C: the summary covers what ran; ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mtbert.config import EMBEDDED_MODEL
+from mtbert.errors import MtbertError
+from mtbert.tune.budgets import BUDGETS
+from mtbert.tune.spaces import list_spaces
+
+
+class DriverArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, exit 2
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    budgets = "; ".join(f"{b.name}: {b.description}" for b in BUDGETS.values())
+    p = DriverArgumentParser(
+        prog="python tune_driver.py",
+        description="Hyperparameter search for multitask BERT (SST-5, QQP, STS-B) with Ray "
+                    "Tune (ASHA + Optuna TPE), MLflow tracking and a top-k ensemble.")
+    p.add_argument("--space", help="search space: a name from search_spaces/ or a YAML path")
+    p.add_argument("--list-spaces", action="store_true", help="list the search spaces and exit")
+    p.add_argument("--data-dir", default=os.environ.get("MTBERT_DATA", "../shared/data"),
+                   help="folder with the CS 224N files (default ../shared/data or $MTBERT_DATA)")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help=f"encoder: local folder or hub name (default {EMBEDDED_MODEL}, packaged)")
+    p.add_argument("--budget", default="small", choices=list(BUDGETS), help=budgets)
+    p.add_argument("--num-samples", type=int, help="trials (default: the budget's)")
+    p.add_argument("--max-concurrent", type=int,
+                   help="trials at once (default: cluster CPUs / --cpus-per-trial)")
+    p.add_argument("--cpus-per-trial", type=float, default=1.0, help="CPUs per trial (default 1)")
+    p.add_argument("--gpus-per-trial", type=float, default=0.0,
+                   help="GPUs per trial, fractions allowed (default 0)")
+    p.add_argument("--search-alg", default="optuna", choices=["optuna", "random"],
+                   help="Optuna TPE (seeded) or random search (baseline)")
+    p.add_argument("--scheduler", default="asha", choices=["asha", "fifo"],
+                   help="asha: stop weak trials at the budget's rungs (default); fifo: every "
+                        "trial trains its whole budget (a baseline without early stopping)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
+    p.add_argument("--storage-path", default="ray_results",
+                   help="Ray results: a local folder (default ./ray_results) or, for a "
+                        "multi-node cluster, a shared folder or a URI every node reaches "
+                        "(s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///PATH; a URI "
+                        "needs --mlflow-uri)")
+    p.add_argument("--experiment", help="experiment name (default SPACE-BUDGET-TIMESTAMP)")
+    p.add_argument("--mlflow-uri",
+                   help="MLflow tracking URI (default sqlite:///STORAGE/mlflow.db, no server)")
+    p.add_argument("--mlflow-fallback-local", action="store_true",
+                   help="if the --mlflow-uri server is unreachable at start, log to the "
+                        "local SQLite store instead of stopping (a warning says so)")
+    p.add_argument("--ensemble-top-k", type=int, help="ensemble size (default: the budget's)")
+    p.add_argument("--ensemble", default="greedy", choices=["greedy", "vote"],
+                   help="greedy (default): Caruana selection with replacement on val of the "
+                        "top-k, combined by weighted mode (SST, QQP) / median (STS); vote: "
+                        "all top-k with equal weight")
+    p.add_argument("--max-failures", type=int, default=2,
+                   help="retries of a trial whose worker died, from its last checkpoint")
+    p.add_argument("--address",
+                   help="join this running Ray cluster: auto (the one on this machine), "
+                        "HOST:PORT (its GCS, e.g. HEAD:6379) or ray://HOST:10001")
+    p.add_argument("--resume", action="store_true",
+                   help="continue --experiment after a crash (Tuner.restore)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mtbert.tune.cluster import quiet_environment
+    from mtbert.tune.driver import run
+    from mtbert.tune.settings import resolve_settings
+
+    args = build_parser().parse_args(argv)
+    quiet_environment()
+    if args.list_spaces:
+        for name, description in list_spaces():
+            print(f"{name:<10} {description}")
+        return 0
+    settings = None
+    try:
+        settings = resolve_settings(args)
+        return run(settings)
+    except MtbertError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if settings is None or not settings.location.exp_dir.exists():
+            print("error: interrupted before the search started; nothing was written",
+                  file=sys.stderr)
+            return 130
+        # a second Ctrl-C while Tune was winding down after the first
+        print(f"error: interrupted twice: stopped without a summary; Ray's last experiment "
+              f"snapshot is kept. Continue with: {resume_command(settings)}", file=sys.stderr)
+        return 130
+
+
+def resume_command(settings) -> str:
+    return (f"python tune_driver.py --resume --experiment {settings.experiment} "
+            f"--storage-path {settings.storage_arg}")
+
+
+def one_line(message: str) -> str:
+    """The CLI's contract is one ``error:`` line: fold a multi-line message (a YAML
+    parser's, with its source excerpt and ``^`` marker) into one."""
+    parts = [ln.strip() for ln in message.splitlines()]
+    parts = [p for p in parts if p and set(p) != {"^"}]
+    return "; ".join(p.rstrip(":") if i < len(parts) - 1 else p for i, p in enumerate(parts))

@@ -1,0 +1,204 @@
+"""Trial records: what a search keeps of each trial once Ray is done with it.
+
+The objective, the trial statuses and the one rule that decides "stopped early" live
+here; :func:`collect_trials` turns Ray's ``ResultGrid`` into plain
+:class:`TrialRecord` objects (no Ray objects), and :func:`ranked` orders them by their
+best validation score -- the only thing a search selects on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from mtbert.metrics import scalar_metrics
+
+#: what the search maximises: the overall score on the validation split carved from train
+OBJECTIVE = "val/overall"
+MODE = "max"
+#: run counters sent with every evaluation besides the ``val/*``, ``train/*`` and ``time/*``
+#: metrics (the current learning rate goes as ``train/lr``: ``lr`` is a hyperparameter)
+RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
+
+
+class TrialStatus(enum.StrEnum):
+    """How a trial ended."""
+    COMPLETED = "completed"            # trained its whole budget
+    STOPPED_EARLY = "stopped_early"    # stopped by the scheduler (ASHA) at a rung
+    ERROR = "error"                    # failed (bad config combination, NaN loss, crash)
+    INTERRUPTED = "interrupted"        # still training when the search was stopped (Ctrl-C)
+    ORPHANED = "orphaned"              # started after Ray's last snapshot before a crash
+
+    @property
+    def run_status(self) -> str:
+        """The MLflow run status of a trial that ended so."""
+        return {"completed": "FINISHED", "stopped_early": "FINISHED",
+                "error": "FAILED"}.get(self.value, "KILLED")
+
+
+def trial_status(examples_seen: int, max_examples: int, errored: bool = False,
+                 ended: bool = True) -> TrialStatus:
+    """The one rule: short of the budget is a scheduler stop if Tune ended the trial, an
+    interruption if it did not; a full budget is completed; an error is an error."""
+    if errored:
+        return TrialStatus.ERROR
+    if examples_seen >= max_examples:
+        return TrialStatus.COMPLETED
+    return TrialStatus.STOPPED_EARLY if ended else TrialStatus.INTERRUPTED
+
+
+def rung_reached(examples_seen: int, rungs: list[int]) -> int:
+    """How many ASHA rungs (milestones in examples) the trial got past: 0 = none."""
+    return sum(1 for r in rungs if examples_seen >= r)
+
+
+def summarize_error(text: str) -> str:
+    """The line of an error text that says what went wrong (a ``TrialFailed:`` reason,
+    else the last ``...Error: ...`` line), at most 500 characters."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "TrialFailed:" in ln:
+            return ln[ln.index("TrialFailed:"):][:500]
+    for ln in reversed(lines):
+        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
+            return ln[:500]
+    return lines[-1][:500] if lines else ""
+
+
+def error_reason(trial) -> str:
+    """The reason a Ray trial failed, from its error file."""
+    text = ""
+    try:
+        if trial.error_file and Path(trial.error_file).is_file():
+            text = Path(trial.error_file).read_text(encoding="utf-8", errors="replace")
+    except (OSError, TypeError):
+        text = ""
+    return summarize_error(text) or "unknown error (see the trial's error.txt)"
+
+
+@dataclass
+class TrialRecord:
+    """What the report and the summary need of one trial (plain data)."""
+    trial_id: str
+    name: str
+    status: TrialStatus
+    config: dict[str, Any]           # the sampled values
+    history: list[dict[str, float]] = field(default_factory=list)  # one per evaluation
+    best: dict[str, float] = field(default_factory=dict)           # metrics at the best eval
+    best_checkpoint: str | None = None
+    examples_seen: int = 0
+    rung_reached: int = 0
+    error: str = ""
+    mlflow_run_id: str | None = None
+
+    @property
+    def best_score(self) -> float:
+        value = self.best.get(OBJECTIVE)
+        return float(value) if value is not None and math.isfinite(value) else float("-inf")
+
+
+def trial_record(trial_id: str, name: str, config: dict[str, Any],
+                 history: list[dict[str, Any]], checkpoints: Iterable[tuple[str, dict]],
+                 last_examples_seen: int, error: str | None, max_examples: int,
+                 rungs: list[int], ended: bool = True) -> TrialRecord:
+    """One trial from what its run left: the evaluation history (Ray's result rows), its
+    checkpoints with their metrics, the last reported examples seen and its error text."""
+    rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
+    best, best_path = {}, None
+    for path, metrics in checkpoints:
+        score = metrics.get(OBJECTIVE)
+        if score is None or not math.isfinite(score):
+            continue
+        if not best or score > best[OBJECTIVE]:
+            best, best_path = scalar_metrics(metrics, finite=True), path
+    # after a driver crash Ray's restored last result can lag its own result log
+    seen = max([int(last_examples_seen)] + [int(h["examples_seen"]) for h in rows
+                                            if "examples_seen" in h])
+    return TrialRecord(
+        trial_id=trial_id, name=name, config=dict(config), history=rows, best=best,
+        best_checkpoint=best_path, examples_seen=seen, rung_reached=rung_reached(seen, rungs),
+        status=trial_status(seen, max_examples, errored=error is not None, ended=ended),
+        error=summarize_error(error) if error is not None else "")
+
+
+def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """One evaluation per ``examples_seen`` (the last one): a trial resumed after a driver
+    crash from an older checkpoint than its last report redoes those evaluations, and
+    Ray's result log keeps both copies."""
+    by_seen: dict[float, dict[str, float]] = {}
+    for h in history:
+        key = h.get("examples_seen", float(len(by_seen)))
+        by_seen.pop(key, None)
+        by_seen[key] = h
+    return list(by_seen.values())
+
+
+def collect_trials(result_grid, max_examples: int, rungs: list[int],
+                   ended: set[str] | None = None) -> list[TrialRecord]:
+    """One :class:`TrialRecord` per trial of a Ray ``ResultGrid`` (or list of ``Result``).
+
+    ``ended``: the trials Tune reported as ended (the driver's tracker records each end);
+    a trial short of ``max_examples`` that did not end was interrupted (Ctrl-C), not
+    stopped by the scheduler. None: every trial short of the budget counts as stopped."""
+    records = []
+    for result in result_grid:
+        tid = _trial_id_of(result)
+        history: list[dict[str, Any]] = []
+        df = result.metrics_dataframe
+        if df is not None and len(df) and OBJECTIVE in df.columns:
+            keep = [c for c in df.columns if c.startswith(("val/", "train/"))
+                    or c in ("examples_seen", "timestamp", "training_iteration")]
+            history = df[keep].to_dict("records")
+        records.append(trial_record(
+            tid, Path(result.path).name, result.config or {}, history, _checkpoints(result),
+            int((result.metrics or {}).get("examples_seen", 0)),
+            None if result.error is None else str(result.error), max_examples, rungs,
+            ended=ended is None or tid in ended))
+    return records
+
+
+def _trial_id_of(result) -> str:
+    tid = (result.metrics or {}).get("trial_id")
+    if tid:
+        return str(tid)
+    name = Path(result.path).name
+    return name[len("trial_"):] if name.startswith("trial_") else name
+
+
+def _checkpoints(result) -> list[tuple[str, dict]]:
+    """(path, metrics) of the trial's checkpoints that exist: those Ray lists, and any
+    other ``checkpoint_*`` folder of the trial (its ``metrics.json``).
+
+    After a driver crash Ray's restored list can lag the trial folder: it may name a
+    checkpoint that ``num_to_keep`` has deleted since, and miss newer ones."""
+    import pyarrow.fs
+    fs = getattr(result, "filesystem", None) or pyarrow.fs.LocalFileSystem()
+    out: dict[str, dict] = {}
+    for checkpoint, metrics in (result.best_checkpoints or []):
+        if fs.get_file_info(checkpoint.path).type != pyarrow.fs.FileType.NotFound:
+            out[checkpoint.path] = metrics
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(result.path))
+    except (OSError, FileNotFoundError):
+        infos = []
+    for info in infos:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        if (info.type != pyarrow.fs.FileType.Directory or not name.startswith("checkpoint_")
+                or info.path in out):
+            continue
+        try:
+            with fs.open_input_stream(f"{info.path}/metrics.json") as fh:
+                out[info.path] = json.loads(fh.read().decode("utf-8"))
+        except (OSError, FileNotFoundError, ValueError):
+            continue
+    return sorted(out.items())
+
+
+def ranked(records: list[TrialRecord]) -> list[TrialRecord]:
+    """Trials with a usable best checkpoint, best validation score first."""
+    ok = [r for r in records if r.best_checkpoint and math.isfinite(r.best_score)]
+    return sorted(ok, key=lambda r: (-r.best_score, r.trial_id))

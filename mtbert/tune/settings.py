@@ -1,0 +1,263 @@
+"""The search's settings: every CLI value checked, resolved and frozen before anything starts.
+
+:func:`resolve_settings` turns the parsed arguments into one :class:`SearchSettings`
+(the space file loaded and validated, the budget, the experiment's location, the MLflow
+store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
+the flag; it writes nothing.  On ``--resume`` the search's saved settings
+(``mtbert_search.json`` in the experiment) win over the command line, so the data, space
+and budget cannot drift.  :func:`trial_config` is the one merge of the base config and a
+trial's sampled values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtbert.config import TrainConfig
+from mtbert.errors import ConfigError
+from mtbert.tune import location as loc
+from mtbert.tune.budgets import Budget, get_budget
+from mtbert.tune.spaces import SearchSpace, load_space, parse_space
+
+SETTINGS_FILE = "mtbert_search.json"
+_EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
+#: CLI values a resumed search takes from the new command line, not from its saved settings
+_RESUME_OWN = ("resume", "address", "mlflow_fallback_local")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Everything a search needs, validated; ``budget`` is resolved once the data is loaded
+    (:meth:`resolved_for`)."""
+    space: SearchSpace
+    space_arg: str
+    budget: Budget
+    num_samples: int
+    top_k: int
+    location: loc.ExperimentLocation
+    storage_arg: str                 # --storage-path as given (for the --resume hint)
+    mlflow_uri: str
+    mlflow_fallback: str | None      # the unreachable --mlflow-uri replaced by local SQLite
+    base: dict[str, Any]             # TrainConfig fields every trial gets
+    resume: bool
+    search_alg: str
+    scheduler: str
+    seed: int
+    cpus_per_trial: float
+    gpus_per_trial: float
+    max_concurrent: int | None
+    ensemble: str
+    max_failures: int
+    address: str | None
+    mlflow_fallback_local: bool
+
+    @property
+    def experiment(self) -> str:
+        return self.location.experiment
+
+    def resolved_for(self, total_train_rows: int) -> "SearchSettings":
+        """The settings with the budget's ``max_examples`` fixed by the loaded data."""
+        budget = self.budget.resolved(total_train_rows)
+        return dataclasses.replace(self, budget=budget,
+                                   base={**self.base, **budget.trial_fields()})
+
+    def saved(self) -> dict[str, Any]:
+        """What ``mtbert_search.json`` holds: the effective CLI values and the space, so that
+        ``--resume`` (from any machine that reaches the storage) repeats this search."""
+        args = {"space": self.space_arg, "list_spaces": False,
+                "data_dir": self.base["data_dir"], "model": self.base["model"],
+                "budget": self.budget.name, "num_samples": self.num_samples,
+                "max_concurrent": self.max_concurrent, "cpus_per_trial": self.cpus_per_trial,
+                "gpus_per_trial": self.gpus_per_trial, "search_alg": self.search_alg,
+                "scheduler": self.scheduler, "seed": self.seed,
+                "storage_path": self.location.ray_storage, "experiment": self.experiment,
+                "mlflow_uri": self.mlflow_uri, "mlflow_fallback_local": self.mlflow_fallback_local,
+                "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
+                "max_failures": self.max_failures, "address": self.address,
+                "resume": self.resume}
+        return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
+                "budget": self.budget.to_dict(), "base": self.base,
+                "num_samples": self.num_samples, "experiment": self.experiment,
+                "mlflow_uri": self.mlflow_uri}
+
+
+def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:
+    """A trial's TrainConfig: the base values, then its sampled ones (never scoring dev:
+    dev is scored for the ensemble's finalists only).  Raises ConfigError."""
+    return TrainConfig.from_dict({**base, **sampled, "eval_dev": False}, source="trial config")
+
+
+def trial_config_values(base: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+    """Every TrainConfig field of a trial (defaults included); the raw values if invalid."""
+    try:
+        return trial_config(base, sampled).to_dict()
+    except ConfigError:
+        return {**base, **sampled, "eval_dev": False}
+
+
+# ---------------------------------------------------------------------- resolving
+def resolve_settings(args: argparse.Namespace) -> SearchSettings:
+    """Check every CLI value and the space; raises ConfigError; writes nothing."""
+    args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
+    storage, storage_uri = _storage(args.storage_path)
+    saved = _merge_saved_settings(args, storage, storage_uri) if args.resume else None
+    if storage_uri and not args.mlflow_uri:
+        raise ConfigError(f"--storage-path {args.storage_path}: a URI storage needs "
+                          "--mlflow-uri (an MLflow server http://HOST:5000, or "
+                          "sqlite:///PATH.db): the default SQLite store lives in a local "
+                          "storage folder")
+    if args.space is None:
+        raise ConfigError("--space is required (see --list-spaces)")
+    space = parse_space(saved["space"], saved["space_path"]) if saved else load_space(args.space)
+    budget = get_budget(args.budget)
+    num_samples = args.num_samples if args.num_samples is not None else budget.num_samples
+    _check_numbers(args, num_samples)
+    top_k = args.ensemble_top_k if args.ensemble_top_k is not None else budget.ensemble_top_k
+    if top_k < 1:
+        raise ConfigError(f"--ensemble-top-k {top_k}: must be >= 1")
+    if args.ensemble_top_k is not None and top_k > num_samples:
+        raise ConfigError(f"--ensemble-top-k {top_k}: more than --num-samples {num_samples}")
+    experiment = args.experiment or f"{space.name}-{budget.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not _EXPERIMENT_RE.match(experiment):
+        raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '.', '_' and '-' "
+                          "(it names a folder)")
+    location = loc.ExperimentLocation(storage, experiment, storage_uri)
+    if not args.resume and location.taken():
+        raise ConfigError(f"--experiment {experiment}: {location.ray_experiment} already "
+                          "exists; pass --resume to continue it or choose another name")
+    data_dir = Path(args.data_dir).expanduser()
+    if not data_dir.is_dir():
+        raise ConfigError(f"--data-dir {args.data_dir}: folder not found (expected the CS 224N "
+                          "files)")
+    model = _model(args.model)
+    mlflow_uri, mlflow_fallback = _tracking_uri(args, storage)
+    if args.address is not None:
+        from mtbert.tune.cluster import check_ray_address
+        check_ray_address(args.address)
+    base = _base_config(args, budget, space, data_dir, model)
+    return SearchSettings(
+        space=space, space_arg=args.space, budget=budget, num_samples=num_samples,
+        top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
+        mlflow_uri=mlflow_uri, mlflow_fallback=mlflow_fallback, base=base,
+        resume=bool(args.resume), search_alg=args.search_alg, scheduler=args.scheduler,
+        seed=args.seed, cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
+        max_concurrent=args.max_concurrent, ensemble=args.ensemble,
+        max_failures=args.max_failures, address=args.address,
+        mlflow_fallback_local=bool(args.mlflow_fallback_local))
+
+
+def _storage(storage_path: str) -> tuple[Path, str | None]:
+    """(local root, URI or None) of ``--storage-path``, checked writable."""
+    what = f"--storage-path {storage_path}"
+    if loc.is_uri(storage_path):
+        storage_uri = loc.check_uri(storage_path)
+        folder = loc.local_path_of(storage_uri)
+        if folder is not None:  # file:// -- a (shared) local filesystem: same checks
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{what}: exists and is not a folder")
+            loc.check_creatable(folder, what)
+        return loc.staging_root(storage_uri), storage_uri
+    storage = Path(storage_path).expanduser().resolve()
+    if storage.exists() and not storage.is_dir():
+        raise ConfigError(f"{what}: exists and is not a folder")
+    loc.check_creatable(storage, what)
+    return storage, None
+
+
+def _merge_saved_settings(args: argparse.Namespace, storage: Path,
+                          storage_uri: str | None) -> dict[str, Any]:
+    """``--resume``: the saved settings of the search (they replace the CLI values)."""
+    if not args.experiment:
+        raise ConfigError("--resume needs --experiment NAME (the search to continue)")
+    where = loc.ExperimentLocation(storage, args.experiment, storage_uri)
+    text = where.read(SETTINGS_FILE)
+    if text is None:
+        raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
+                          f"(no {SETTINGS_FILE})")
+    saved = json.loads(text)
+    # the original settings win: the data, space and budget must not drift
+    for key, value in saved["args"].items():
+        if key not in _RESUME_OWN:
+            setattr(args, key, value)
+    return saved
+
+
+def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
+    if num_samples < 1:
+        raise ConfigError(f"--num-samples {num_samples}: must be >= 1")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent {args.max_concurrent}: must be >= 1")
+    if not args.cpus_per_trial > 0:
+        raise ConfigError(f"--cpus-per-trial {args.cpus_per_trial:g}: must be > 0")
+    if not args.address and args.cpus_per_trial > (os.cpu_count() or 1):
+        raise ConfigError(f"--cpus-per-trial {args.cpus_per_trial:g}: this machine has only "
+                          f"{os.cpu_count()} CPUs")
+    if args.gpus_per_trial < 0:
+        raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: must be >= 0")
+    if args.gpus_per_trial > 1 and not float(args.gpus_per_trial).is_integer():
+        raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: above 1 it must be a "
+                          "whole number of GPUs")
+    if args.gpus_per_trial > 0 and not args.address:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: no CUDA GPU on this "
+                              "machine (use --address to run on a cluster with GPUs)")
+    if args.seed < 0:
+        raise ConfigError(f"--seed {args.seed}: must be >= 0")
+    if args.max_failures < 0:
+        raise ConfigError(f"--max-failures {args.max_failures}: must be >= 0")
+
+
+def _tracking_uri(args: argparse.Namespace, storage: Path) -> tuple[str, str | None]:
+    """(MLflow tracking URI, the unreachable one it replaces or None), checked."""
+    from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
+    uri = args.mlflow_uri or default_tracking_uri(storage)
+    try:
+        check_tracking_uri(uri)
+    except TrackingError as exc:
+        if not (args.mlflow_fallback_local and uri.startswith(("http://", "https://"))):
+            raise
+        local = default_tracking_uri(storage)
+        check_tracking_uri(local)
+        print(f"warning: {exc}; --mlflow-fallback-local: logging to {local} instead",
+              file=sys.stderr, flush=True)
+        return local, uri
+    return uri, None
+
+
+def _model(model: str) -> str:
+    """``--model``: a local folder (checked, made absolute for the workers) or a hub name."""
+    from mtbert.pretrained import resolve_model_path
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
+        resolve_model_path(model)  # raises a ConfigError naming the problem
+        return str(Path(model).expanduser().resolve())
+    return model
+
+
+def _base_config(args: argparse.Namespace, budget: Budget, space: SearchSpace,
+                 data_dir: Path, model: str) -> dict[str, Any]:
+    """The TrainConfig fields every trial gets; checked valid with the space's fixed values."""
+    from mtbert.data import default_cache_dir
+    base = {
+        "model": model, "data_dir": str(data_dir.resolve()),
+        "cache_dir": str(default_cache_dir("").resolve()),
+        **budget.data_fields(), **budget.trial_fields(),
+        "seed": args.seed, "progress": False, "eval_dev": False,
+        "threads": max(1, int(args.cpus_per_trial)),
+        "device": "auto" if args.gpus_per_trial > 0 else "cpu",
+    }
+    try:
+        TrainConfig.from_dict({**base, **space.fixed}, source="base config")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (from the driver's arguments and the space's fixed values)",
+                          key=exc.key) from None
+    return base

@@ -1,0 +1,295 @@
+"""The search summary: a typed record built by one pure function, and its renderings.
+
+:func:`build_summary` takes the trial records, the finalists' dev scores, the ensemble
+and the report files and returns a :class:`SearchSummary`; ``summary.json`` is its
+:meth:`~SearchSummary.to_dict`, ``summary.md`` its :meth:`~SearchSummary.markdown`, and
+the table printed at the end of a search its :meth:`~SearchSummary.console_table`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mtbert.metrics import scalar_metrics
+from mtbert.tune.records import MODE, OBJECTIVE, TrialRecord, TrialStatus
+from mtbert.tune.settings import trial_config_values
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Counts:
+    trials: int
+    completed: int
+    stopped_early: int
+    errored: int
+    interrupted: int
+    # trials asked for that never ran: not sampled yet when the search was interrupted
+    # (--resume runs them), or lost to a driver crash (see the driver's warning)
+    not_started: int
+
+
+def count_trials(records: list[TrialRecord], num_samples: int) -> Counts:
+    by = [r.status for r in records]
+    return Counts(trials=len(records), completed=by.count(TrialStatus.COMPLETED),
+                  stopped_early=by.count(TrialStatus.STOPPED_EARLY),
+                  errored=by.count(TrialStatus.ERROR),
+                  interrupted=by.count(TrialStatus.INTERRUPTED),
+                  not_started=max(0, num_samples - len(records)))
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One trial in ``summary.json``'s ``trials`` (its record less the history)."""
+    trial_id: str
+    name: str
+    status: TrialStatus
+    config: dict[str, Any]
+    best: dict[str, float]
+    best_checkpoint: str | None
+    examples_seen: int
+    rung_reached: int
+    error: str
+    mlflow_run_id: str | None
+    best_val_overall: float | None
+    searched: dict[str, Any]
+    evaluations: int
+
+
+@dataclass(frozen=True)
+class RankedTrial:
+    """A row of the top-trials table."""
+    trial_id: str
+    status: TrialStatus
+    examples_seen: int
+    val: dict[str, float]
+    dev: dict[str, float]
+    searched: dict[str, Any]
+    mlflow_run_id: str | None
+
+
+@dataclass(frozen=True)
+class BestTrial:
+    trial_id: str
+    name: str
+    status: TrialStatus
+    searched: dict[str, Any]
+    config: dict[str, Any]           # every TrainConfig field the trial trained with
+    val: dict[str, float]
+    dev: dict[str, float]
+    examples_seen_at_best: float | None
+    checkpoint: str | None
+    mlflow_run_id: str | None
+    predictions: str
+
+
+@dataclass(frozen=True)
+class EnsembleSummary:
+    method: str
+    members: list[str]               # selected (non-zero weight), best first
+    candidates: list[str]
+    weights: dict[str, dict[str, int]]
+    val: dict[str, float]
+    dev: dict[str, float]
+    predictions: str
+
+
+@dataclass(frozen=True)
+class MlflowRefs:
+    tracking_uri: str
+    experiment_id: str | None
+    parent_run_id: str
+    ensemble_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SearchSummary:
+    experiment: str
+    experiment_dir: str
+    space: dict[str, Any]
+    budget: dict[str, Any]
+    search_alg: str
+    scheduler: str
+    seed: int
+    num_samples: int
+    objective: str
+    mode: str
+    counts: Counts
+    interrupted: bool
+    best_trial: BestTrial | None
+    ensemble: EnsembleSummary | None
+    top_trials: list[RankedTrial]
+    trials: list[TrialRow]
+    importances: dict[str, dict[str, float]]
+    report_files: dict[str, str]
+    mlflow: MlflowRefs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def markdown(self) -> str:
+        return _markdown(self)
+
+    def console_table(self) -> str:
+        return _console_table(self)
+
+    def with_public_paths(self, public: Callable[[str | None], str | None],
+                          stored: dict[str, str]) -> "SearchSummary":
+        """The summary with local staging paths replaced by where users find the files:
+        ``public(path)`` for the experiment's files, ``stored[trial_id]`` for checkpoints."""
+        best = self.best_trial and dataclasses.replace(
+            self.best_trial, checkpoint=stored.get(self.best_trial.trial_id,
+                                                   self.best_trial.checkpoint),
+            predictions=public(self.best_trial.predictions))
+        ensemble = self.ensemble and dataclasses.replace(
+            self.ensemble, predictions=public(self.ensemble.predictions))
+        trials = [dataclasses.replace(t, best_checkpoint=stored.get(t.trial_id,
+                                                                    t.best_checkpoint))
+                  if t.best_checkpoint else t for t in self.trials]
+        return dataclasses.replace(
+            self, experiment_dir=public(self.experiment_dir), best_trial=best,
+            ensemble=ensemble, trials=trials,
+            report_files={k: public(v) for k, v in self.report_files.items()})
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith(prefix)}
+
+
+def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord],
+                  dev_of: dict[str, dict[str, float]], ensemble, report: dict[str, Any],
+                  mlflow: MlflowRefs, interrupted: bool) -> SearchSummary:
+    """The summary of a finished (or interrupted) search; ``ensemble`` is an
+    :class:`~mtbert.tune.finalists.EnsembleResult` or None; ``report`` is what
+    :func:`~mtbert.tune.report.write_report` returned."""
+    exp_dir = settings.location.exp_dir
+    searched_keys = list(settings.space.searched)
+    counts = count_trials(records, settings.num_samples)
+
+    def searched(r: TrialRecord) -> dict[str, Any]:
+        return {k: r.config[k] for k in searched_keys if k in r.config}
+
+    top = [RankedTrial(r.trial_id, r.status, r.examples_seen, _prefixed(r.best, "val/"),
+                       dev_of.get(r.trial_id, {}), searched(r), r.mlflow_run_id)
+           for r in ranked[:max(settings.top_k, 5)]]
+    best = ranked[0] if ranked else None
+    best_trial = None if best is None else BestTrial(
+        trial_id=best.trial_id, name=best.name, status=best.status, searched=searched(best),
+        config=trial_config_values(settings.base, best.config),
+        val=_prefixed(best.best, "val/"), dev=dev_of.get(best.trial_id, {}),
+        examples_seen_at_best=best.best.get("examples_seen"),
+        checkpoint=best.best_checkpoint, mlflow_run_id=best.mlflow_run_id,
+        predictions=str(exp_dir / "best_trial" / "predictions"))
+    ensemble_summary = None
+    if ensemble is not None:
+        metrics = scalar_metrics(ensemble.metrics, finite=True)
+        ensemble_summary = EnsembleSummary(
+            method=ensemble.method, members=ensemble.selected, candidates=ensemble.members,
+            weights=ensemble.weights_by_member(), val=_prefixed(metrics, "val/"),
+            dev=_prefixed(metrics, "dev/"),
+            predictions=str(exp_dir / "ensemble" / "predictions"))
+    trials = [TrialRow(r.trial_id, r.name, r.status, r.config, r.best, r.best_checkpoint,
+                       r.examples_seen, r.rung_reached, r.error, r.mlflow_run_id,
+                       r.best_score if math.isfinite(r.best_score) else None, searched(r),
+                       len(r.history)) for r in records]
+    space = settings.space
+    return SearchSummary(
+        experiment=settings.experiment, experiment_dir=str(exp_dir),
+        space={"name": space.name, "path": space.path, **space.to_dict()},
+        budget=settings.budget.to_dict(), search_alg=settings.search_alg,
+        scheduler=settings.scheduler, seed=settings.seed, num_samples=settings.num_samples,
+        objective=OBJECTIVE, mode=MODE, counts=counts,
+        interrupted=interrupted or counts.interrupted > 0, best_trial=best_trial,
+        ensemble=ensemble_summary, top_trials=top, trials=trials,
+        importances=report["importances"], report_files=report["files"], mlflow=mlflow)
+
+
+# ---------------------------------------------------------------------- renderings
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _scores(val: dict[str, float], prefix: str = "val") -> tuple[float, ...]:
+    return tuple(val.get(f"{prefix}/{k}", NAN) for k in ("overall", "sst_acc", "qqp_acc",
+                                                         "sts_corr"))
+
+
+def _markdown(s: SearchSummary) -> str:
+    c = s.counts
+    lines = [f"# Search `{s.experiment}`", "",
+             f"space `{s.space['name']}` ({s.space['description']}), budget "
+             f"`{s.budget['name']}`, search `{s.search_alg}` (seed {s.seed}), objective "
+             f"`{s.objective}` (max, validation split carved from train; dev is reported, "
+             "never used to select).", "",
+             "| trials | completed | stopped early (ASHA) | errored |",
+             "| --- | --- | --- | --- |",
+             f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} |", ""]
+    lines += ["## Top trials", "", "| rank | trial | status | examples | val overall | sst | qqp | "
+              "sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, t in enumerate(s.top_trials, 1):
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in t.searched.items())
+        overall, sst, qqp, sts = _scores(t.val)
+        lines.append(f"| {i} | {t.trial_id} | {t.status} | {t.examples_seen} | {overall:.4f} | "
+                     f"{sst:.3f} | {qqp:.3f} | {sts:.3f} | {params} |")
+    ens, best = s.ensemble, s.best_trial
+    if best:
+        lines += ["", "## Best trial vs ensemble", "", "| | val overall | dev overall | dev sst | "
+                  "dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
+        rows = [(f"best trial {best.trial_id}", best.val, best.dev)]
+        if ens:
+            rows.append((f"ensemble ({ens.method}, {len(ens.members)} members)", ens.val,
+                         ens.dev))
+        for label, val, dev in rows:
+            overall, sst, qqp, sts = _scores(dev, "dev")
+            lines.append(f"| {label} | {val.get('val/overall', NAN):.4f} | {overall:.4f} | "
+                         f"{sst:.3f} | {qqp:.3f} | {sts:.3f} |")
+        lines += ["", f"Best config: `{json.dumps(best.searched, default=str)}`"]
+    if ens:
+        lines += ["", f"Ensemble members: {', '.join(ens.members)}; weights per task "
+                  f"{json.dumps(ens.weights)}; predictions in `{ens.predictions}`."]
+        if ens.method == "greedy":
+            lines += ["", "Greedy selection was made on the validation split, so the "
+                      "ensemble's val score is optimistic: compare on dev."]
+    for name, values in s.importances.items():
+        if values and "_error" not in values:
+            lines += ["", f"## Importances ({name})", ""]
+            lines += [f"- {k}: {v:.3f}" for k, v in values.items()]
+    errors = [t for t in s.trials if t.status == TrialStatus.ERROR]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {t.trial_id}: {t.error}" for t in errors]
+    lines += ["", "Report: " + ", ".join(f"`{Path(p).name}`" for p in s.report_files.values()),
+              ""]
+    return "\n".join(lines)
+
+
+def _console_table(s: SearchSummary) -> str:
+    head = f"{'rank':>4}  {'trial':<14} {'status':<13} {'examples':>8}  {'val':>7} {'sst':>6} " \
+           f"{'qqp':>6} {'sts':>6}  {'dev':>7}  params"
+    lines = [head, "-" * len(head)]
+    for i, t in enumerate(s.top_trials, 1):
+        params = " ".join(f"{k}={_fmt(v)}" for k, v in t.searched.items())
+        dev = f"{t.dev['dev/overall']:.4f}" if "dev/overall" in t.dev else "      -"
+        overall, sst, qqp, sts = _scores(t.val)
+        lines.append(f"{i:>4}  {t.trial_id:<14} {t.status:<13} {t.examples_seen:>8}  "
+                     f"{overall:.4f} {sst:6.3f} {qqp:6.3f} {sts:6.3f}  {dev:>7}  {params}")
+    ens = s.ensemble
+    if ens:
+        overall, sst, qqp, sts = _scores(ens.val)
+        lines.append(f"{'ens':>4}  {ens.method + ' x' + str(len(ens.members)):<14} "
+                     f"{'':<13} {'':>8}  {overall:.4f} {sst:6.3f} {qqp:6.3f} {sts:6.3f}  "
+                     f"{ens.dev.get('dev/overall', NAN):.4f}  members={','.join(ens.members)}")
+    c = s.counts
+    tail = f", {c.interrupted} interrupted before the end" if c.interrupted else ""
+    if c.not_started:
+        tail += f", {c.not_started} never started"
+    lines.append(f"trials: {c.trials} ({c.completed} completed, {c.stopped_early} "
+                 f"stopped early by ASHA, {c.errored} errored{tail})")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""Trial collection, ranking, the typed summary and its renderings -- from recorded trial
+results (real Ray ``Result`` objects over real checkpoint folders), without running Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mtbert.tune.budgets import get_budget
+from mtbert.tune.finalists import build_ensemble
+from mtbert.tune.location import ExperimentLocation
+from mtbert.tune.records import (OBJECTIVE, TrialStatus, collect_trials, ranked, rung_reached,
+                                 summarize_error, trial_record, trial_status)
+from mtbert.tune.settings import SearchSettings
+from mtbert.tune.spaces import load_space
+from mtbert.tune.summary import MlflowRefs, build_summary
+
+MAX = 192
+RUNGS = [48, 144]
+
+
+def test_trial_status_is_decided_once():
+    assert trial_status(192, MAX) == TrialStatus.COMPLETED
+    assert trial_status(96, MAX) == TrialStatus.STOPPED_EARLY
+    assert trial_status(96, MAX, ended=False) == TrialStatus.INTERRUPTED
+    assert trial_status(192, MAX, errored=True) == TrialStatus.ERROR
+    assert [s.run_status for s in TrialStatus] == ["FINISHED", "FINISHED", "FAILED", "KILLED",
+                                                   "KILLED"]
+    assert rung_reached(47, RUNGS) == 0 and rung_reached(144, RUNGS) == 2
+
+
+def test_summarize_error_prefers_the_trial_failed_reason():
+    text = "Traceback (most recent call last):\n  File x\nValueError: inner\n" \
+           "mtbert.tune.trainable.TrialFailed: non-finite loss: sst loss became nan\n"
+    assert summarize_error(text) == "TrialFailed: non-finite loss: sst loss became nan"
+    assert summarize_error("RuntimeError: boom\n  more") == "RuntimeError: boom"
+    assert summarize_error("") == ""
+
+
+def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
+    history = [{"examples_seen": 48, OBJECTIVE: 0.40, "val/sst_acc": 0.3, "note": "x"},
+               {"examples_seen": 96, OBJECTIVE: 0.45},
+               {"examples_seen": 96, OBJECTIVE: 0.47},       # replayed after a resume
+               {"examples_seen": 144, OBJECTIVE: float("nan")}]
+    checkpoints = [("ckpt_a", {OBJECTIVE: 0.40, "examples_seen": 48}),
+                   ("ckpt_b", {OBJECTIVE: 0.47, "examples_seen": 96}),
+                   ("ckpt_c", {OBJECTIVE: float("nan"), "examples_seen": 144})]
+    r = trial_record("t1", "trial_t1", {"lr": 1e-4}, history, checkpoints, 120, None, MAX, RUNGS)
+    assert [h["examples_seen"] for h in r.history] == [48, 96, 144]
+    assert r.history[1][OBJECTIVE] == 0.47 and "note" not in r.history[0]
+    assert OBJECTIVE not in r.history[2]                 # NaN is not a score
+    assert r.best_checkpoint == "ckpt_b" and r.best_score == 0.47
+    assert r.examples_seen == 144                        # the log is ahead of Ray's last result
+    assert r.status == TrialStatus.STOPPED_EARLY and r.rung_reached == 2
+    failed = trial_record("t2", "trial_t2", {}, [], [], 10, "x\nTrialFailed: bad", MAX, RUNGS)
+    assert failed.status == TrialStatus.ERROR and failed.error == "TrialFailed: bad"
+    assert failed.best_checkpoint is None and failed.best_score == float("-inf")
+
+
+def _ray_result(tmp_path: Path, tid: str, scores: list[float], error=None, config=None):
+    """A Ray ``Result`` as Tune leaves it: a trial folder with checkpoint folders (each with
+    its metrics.json), the result log as a DataFrame, the best checkpoints Ray lists."""
+    from ray.tune import Checkpoint, Result
+    trial_dir = tmp_path / f"trial_{tid}"
+    rows, best = [], []
+    for i, score in enumerate(scores):
+        seen = 48 * (i + 1)
+        metrics = {"trial_id": tid, "examples_seen": seen, OBJECTIVE: score,
+                   "val/sst_acc": score / 2, "training_iteration": i + 1}
+        rows.append(metrics)
+        ckpt = trial_dir / f"checkpoint_{i:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "metrics.json").write_text(json.dumps(metrics))
+        if i == len(scores) - 1:  # Ray's list may lag the folder: it names only the last
+            best.append((Checkpoint(str(ckpt)), metrics))
+    last = {**(rows[-1] if rows else {"trial_id": tid}), "config": config or {}}
+    return Result(metrics=last, checkpoint=None,
+                  error=error, path=str(trial_dir),
+                  metrics_dataframe=pd.DataFrame(rows) if rows else None,
+                  best_checkpoints=best)
+
+
+def test_collect_trials_from_ray_results(tmp_path):
+    results = [_ray_result(tmp_path, "a", [0.40, 0.52, 0.50, 0.51]),       # completed
+               _ray_result(tmp_path, "b", [0.45]),                         # ASHA stop at 48
+               _ray_result(tmp_path, "c", [0.41, 0.44]),                   # Ctrl-C at 96
+               _ray_result(tmp_path, "d", [], error=RuntimeError("TrialFailed: nan loss"))]
+    records = collect_trials(results, MAX, RUNGS, ended={"a", "b", "d"})
+    by_id = {r.trial_id: r for r in records}
+    assert {k: r.status for k, r in by_id.items()} == {
+        "a": TrialStatus.COMPLETED, "b": TrialStatus.STOPPED_EARLY,
+        "c": TrialStatus.INTERRUPTED, "d": TrialStatus.ERROR}
+    # the best checkpoint is found in the trial folder although Ray listed only the last
+    assert by_id["a"].best_score == 0.52
+    assert by_id["a"].best_checkpoint.endswith("checkpoint_000001")
+    assert by_id["a"].examples_seen == 192 and by_id["a"].rung_reached == 2
+    assert by_id["d"].error == "TrialFailed: nan loss"
+    assert [r.trial_id for r in ranked(records)] == ["a", "b", "c"]
+    # without the tracker's record of ended trials, every short trial counts as stopped
+    assert collect_trials(results[2:3], MAX, RUNGS)[0].status == TrialStatus.STOPPED_EARLY
+
+
+class GoldData:
+    """``split(task, name).labels`` of hand-made gold labels (all build_ensemble reads)."""
+    GOLD = {"sst": [0, 1, 2, 3], "qqp": [1, 0, 1, 0], "sts": [0.0, 1.0, 2.0, 5.0]}
+
+    def split(self, task, name):
+        return SimpleNamespace(labels=None if name == "test" else np.asarray(self.GOLD[task]))
+
+
+def _preds(sst, qqp, sts):
+    split = {"sst": np.array(sst), "qqp": np.array(qqp, dtype=float), "sts": np.array(sts)}
+    return {"val": split, "dev": split, "test": {"sst": split["sst"], "sts": split["sts"]}}
+
+
+def _settings(tmp_path: Path, storage_uri: str | None = None) -> SearchSettings:
+    budget = get_budget("smoke")
+    return SearchSettings(
+        space=load_space("smoke"), space_arg="smoke", budget=budget, num_samples=5, top_k=2,
+        location=ExperimentLocation(tmp_path / "stage", "exp", storage_uri),
+        storage_arg=storage_uri or str(tmp_path), mlflow_uri="sqlite:///x.db",
+        mlflow_fallback=None, base={"model": "m", "data_dir": "d", **budget.trial_fields()},
+        resume=False, search_alg="optuna", scheduler="asha", seed=0, cpus_per_trial=1.0,
+        gpus_per_trial=0.0, max_concurrent=None, ensemble="vote", max_failures=2,
+        address=None, mlflow_fallback_local=False)
+
+
+@pytest.fixture()
+def summary_inputs(tmp_path):
+    results = [_ray_result(tmp_path, "a", [0.40, 0.52, 0.50, 0.51],
+                           config={"lr": 1e-4, "dropout": 0.1}),
+               _ray_result(tmp_path, "b", [0.45], config={"lr": 2e-4, "dropout": 0.1}),
+               _ray_result(tmp_path, "d", [], error=RuntimeError("TrialFailed: nan loss"),
+                           config={"lr": 3e-4, "dropout": 0.1})]
+    records = collect_trials(results, MAX, RUNGS, ended={"a", "b", "d"})
+    ranking = ranked(records)
+    preds = {"a": _preds([0, 1, 2, 3], [0.9, 0.1, 0.8, 0.2], [0, 1, 2, 5]),
+             "b": _preds([0, 1, 0, 0], [0.9, 0.1, 0.2, 0.6], [5, 4, 3, 2])}
+    ensemble = build_ensemble(["a", "b"], preds, GoldData(), "vote")
+    dev_of = {"a": {"dev/overall": 0.61}, "b": {"dev/overall": 0.55}}
+    report = {"files": {"learning_curves": str(tmp_path / "stage" / "exp" / "lc.png")},
+              "importances": {"fanova": {"lr": 0.7, "dropout": 0.3}}}
+    return records, ranking, dev_of, ensemble, report
+
+
+def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
+    records, ranking, dev_of, ensemble, report = summary_inputs
+    settings = _settings(tmp_path)
+    s = build_summary(settings, records, ranking, dev_of, ensemble, report,
+                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False)
+    c = s.counts
+    assert (c.trials, c.completed, c.stopped_early, c.errored, c.interrupted, c.not_started) \
+        == (3, 1, 1, 1, 0, 2)
+    assert s.best_trial.trial_id == "a" and s.best_trial.val[OBJECTIVE] == 0.52
+    assert s.best_trial.dev == {"dev/overall": 0.61}
+    assert s.best_trial.searched == {"lr": 1e-4, "dropout": 0.1}
+    assert s.best_trial.config["lr"] == 1e-4 and s.best_trial.config["max_examples"] == MAX
+    assert [t.trial_id for t in s.top_trials] == ["a", "b"]
+    assert s.ensemble.members == ["a", "b"] and "val/overall" in s.ensemble.val
+    d = json.loads(s.to_json())
+    assert d["counts"]["not_started"] == 2 and d["trials"][2]["status"] == "error"
+    assert d["trials"][0]["best_val_overall"] == 0.52 and d["trials"][0]["evaluations"] == 4
+    assert d["mlflow"] == {"tracking_uri": "sqlite:///x.db", "experiment_id": "1",
+                           "parent_run_id": "parent", "ensemble_run_id": None}
+    md = s.markdown()
+    assert "| 3 | 1 | 1 | 1 |" in md
+    assert "| 1 | a | completed | 192 | 0.5200 | 0.260 |" in md
+    assert "- d: TrialFailed: nan loss" in md and "- lr: 0.700" in md
+    table = s.console_table().splitlines()
+    assert table[2].split()[:5] == ["1", "a", "completed", "192", "0.5200"]
+    assert table[2].split()[8] == "0.6100"
+    assert table[-1] == ("trials: 3 (1 completed, 1 stopped early by ASHA, 1 errored, "
+                         "2 never started)")
+
+
+def test_interrupted_summary_and_public_paths(tmp_path, summary_inputs):
+    records, ranking, dev_of, ensemble, report = summary_inputs
+    records[1].status = TrialStatus.INTERRUPTED
+    settings = _settings(tmp_path, storage_uri="file:///bucket/searches")
+    s = build_summary(settings, records, ranking, dev_of, ensemble, report,
+                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False)
+    assert s.interrupted and s.counts.interrupted == 1
+    stored = {"a": "file:///bucket/searches/exp/trial_a/checkpoint_000001"}
+    public = s.with_public_paths(settings.location.public, stored)
+    assert public.experiment_dir == "file:///bucket/searches/exp"
+    assert public.best_trial.checkpoint == stored["a"]
+    assert public.best_trial.predictions == "file:///bucket/searches/exp/best_trial/predictions"
+    assert public.ensemble.predictions == "file:///bucket/searches/exp/ensemble/predictions"
+    assert public.report_files == {"learning_curves": "file:///bucket/searches/exp/lc.png"}
+    assert public.trials[0].best_checkpoint == stored["a"]
+    assert public.trials[1].best_checkpoint == records[1].best_checkpoint  # not stored
+    assert s.best_trial.checkpoint == records[0].best_checkpoint          # s unchanged
