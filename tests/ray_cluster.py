@@ -99,12 +99,12 @@ class LocalRayCluster:
         self._auth_ready = False
 
     # ------------------------------------------------------------------ nodes
-    def _start(self, name: str, args: list[str], num_cpus: int) -> Node:
+    def _start(self, name: str, args: list[str], num_cpus: int, num_gpus: int = 0) -> Node:
         temp_dir = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
         log = self.log_dir / f"{name}.log"
         before = self.alive_node_ids() if self.nodes else set()
         cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-               "--num-gpus=0", f"--temp-dir={temp_dir}", "--object-store-memory=100000000",
+               f"--num-gpus={num_gpus}", f"--temp-dir={temp_dir}", "--object-store-memory=100000000",
                "--disable-usage-stats", *args]
         with open(log, "w") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
@@ -125,11 +125,13 @@ class LocalRayCluster:
             time.sleep(0.5)
         raise RuntimeError(f"{name} did not join within 90 s:\n{log.read_text()[-3000:]}")
 
-    def start_head(self, num_cpus: int = 1) -> Node:
+    def start_head(self, num_cpus: int = 1, num_gpus: int = 0) -> Node:
+        """The head node; ``num_gpus`` GPUs declared (a logical resource: none need exist)."""
         return self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=false",
                                     "--dashboard-host=127.0.0.1",
                                     f"--dashboard-port={free_port()}",
-                                    f"--ray-client-server-port={free_port()}"], num_cpus)
+                                    f"--ray-client-server-port={free_port()}"], num_cpus,
+                           num_gpus)
 
     def add_worker(self, num_cpus: int = 1) -> Node:
         n = sum(1 for x in self.nodes if x.name.startswith("worker"))

@@ -8,6 +8,7 @@ search was interrupted (Ctrl-C: the summary covers what ran; ``--resume`` contin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -21,6 +22,17 @@ class DriverArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (nan or inf would reach Ray and hang it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, help="trials (default: the budget's)")
     p.add_argument("--max-concurrent", type=int,
                    help="trials at once (default: cluster CPUs / --cpus-per-trial)")
-    p.add_argument("--cpus-per-trial", type=float, default=1.0, help="CPUs per trial (default 1)")
-    p.add_argument("--gpus-per-trial", type=float, default=0.0,
-                   help="GPUs per trial, fractions allowed (default 0)")
+    p.add_argument("--cpus-per-trial", type=finite_float, default=1.0,
+                   help="CPUs per trial (default 1)")
+    p.add_argument("--gpus-per-trial", type=finite_float, default=None,
+                   help="GPUs per trial, fractions allowed; default: where the Ray cluster "
+                        "has GPUs, several trials share each (the share from the model's "
+                        "size and the GPU's memory, printed); 0 forces the CPUs")
     p.add_argument("--search-alg", default="optuna", choices=["optuna", "random"],
                    help="Optuna TPE (seeded) or random search (baseline)")
     p.add_argument("--scheduler", default="asha", choices=["asha", "fifo"],

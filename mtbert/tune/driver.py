@@ -18,7 +18,7 @@ from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
 from mtbert.tune import finalists as fin
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
-from mtbert.tune.cluster import dashboard_url, ray_session, trials_at_once
+from mtbert.tune.cluster import dashboard_url, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
@@ -38,8 +38,12 @@ def run(settings: SearchSettings) -> int:
         url = dashboard_url()
         print(f"[tune] Ray dashboard: {url}" if url else "[tune] Ray dashboard: not running",
               flush=True)
-        max_concurrent = trials_at_once(settings.cpus_per_trial, settings.gpus_per_trial,
-                                        settings.max_concurrent, settings.address)
+        plan = plan_resources(settings.cpus_per_trial, settings.gpus_per_trial,
+                              settings.max_concurrent, settings.address, settings.base["model"])
+        settings = settings.with_resources(plan)
+        max_concurrent = plan.trials_at_once
+        print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
+              f"{plan.gpus_per_trial:g} GPU ({plan.rule})", flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
         grid, interrupted = fit(settings, data, tracker, max_concurrent)
         return finish(settings, data, grid, tracker, parent_run, interrupted)
@@ -96,6 +100,7 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
               "split_seed": s.base.get("split_seed", 0), "model": s.base["model"],
               "data_dir": s.base["data_dir"], "ensemble": s.ensemble,
               "ensemble_top_k": s.top_k, "max_failures": s.max_failures,
+              "gpus_rule": s.resources.rule if s.resources else "",
               "address": s.address or "local", "objective": OBJECTIVE,
               "storage": s.location.ray_storage}
     params.update({f"budget.{k}": v for k, v in budget.to_dict().items() if k != "name"})

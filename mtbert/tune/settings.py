@@ -26,6 +26,7 @@ from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
+from mtbert.tune.cluster import ResourcePlan
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
 
 SETTINGS_FILE = "mtbert_search.json"
@@ -53,12 +54,13 @@ class SearchSettings:
     scheduler: str
     seed: int
     cpus_per_trial: float
-    gpus_per_trial: float
+    gpus_per_trial: float | None    # None: chosen from the cluster (with_resources)
     max_concurrent: int | None
     ensemble: str
     max_failures: int
     address: str | None
     mlflow_fallback_local: bool
+    resources: ResourcePlan | None = None   # set once Ray is up
 
     @property
     def experiment(self) -> str:
@@ -69,6 +71,13 @@ class SearchSettings:
         budget = self.budget.resolved(total_train_rows)
         return dataclasses.replace(self, budget=budget,
                                    base={**self.base, **budget.trial_fields()})
+
+    def with_resources(self, plan: ResourcePlan) -> "SearchSettings":
+        """The settings with each trial's resources fixed for the connected cluster."""
+        return dataclasses.replace(
+            self, resources=plan, cpus_per_trial=plan.cpus_per_trial,
+            gpus_per_trial=plan.gpus_per_trial,
+            base={**self.base, "device": "auto" if plan.gpus_per_trial > 0 else "cpu"})
 
     def saved(self) -> dict[str, Any]:
         """What ``mtbert_search.json`` holds: the effective CLI values and the space, so that
@@ -201,12 +210,13 @@ def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
     if not args.address and args.cpus_per_trial > (os.cpu_count() or 1):
         raise ConfigError(f"--cpus-per-trial {args.cpus_per_trial:g}: this machine has only "
                           f"{os.cpu_count()} CPUs")
-    if args.gpus_per_trial < 0:
-        raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: must be >= 0")
-    if args.gpus_per_trial > 1 and not float(args.gpus_per_trial).is_integer():
-        raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: above 1 it must be a "
+    gpus = args.gpus_per_trial
+    if gpus is not None and gpus < 0:
+        raise ConfigError(f"--gpus-per-trial {gpus:g}: must be >= 0")
+    if gpus is not None and gpus > 1 and not float(gpus).is_integer():
+        raise ConfigError(f"--gpus-per-trial {gpus:g}: above 1 it must be a "
                           "whole number of GPUs")
-    if args.gpus_per_trial > 0 and not args.address:
+    if gpus is not None and gpus > 0 and not args.address:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: no CUDA GPU on this "
@@ -253,7 +263,7 @@ def _base_config(args: argparse.Namespace, budget: Budget, space: SearchSpace,
         **budget.data_fields(), **budget.trial_fields(),
         "seed": args.seed, "progress": False, "eval_dev": False,
         "threads": max(1, int(args.cpus_per_trial)),
-        "device": "auto" if args.gpus_per_trial > 0 else "cpu",
+        "device": "auto" if args.gpus_per_trial != 0 else "cpu",  # fixed by with_resources
     }
     try:
         TrainConfig.from_dict({**base, **space.fixed}, source="base config")

@@ -117,6 +117,7 @@ class SearchSummary:
     scheduler: str
     seed: int
     num_samples: int
+    resources: dict[str, Any]        # per trial CPUs and GPU share, trials at once, the rule
     objective: str
     mode: str
     counts: Counts
@@ -206,6 +207,7 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         space={"name": space.name, "path": space.path, **space.to_dict()},
         budget=settings.budget.to_dict(), search_alg=settings.search_alg,
         scheduler=settings.scheduler, seed=settings.seed, num_samples=settings.num_samples,
+        resources=asdict(settings.resources) if settings.resources else {},
         objective=OBJECTIVE, mode=MODE, counts=counts,
         interrupted=interrupted or counts.interrupted > 0, best_trial=best_trial,
         ensemble=ensemble_summary, top_trials=top, trials=trials,
@@ -228,8 +230,12 @@ def _markdown(s: SearchSummary) -> str:
              f"space `{s.space['name']}` ({s.space['description']}), budget "
              f"`{s.budget['name']}`, search `{s.search_alg}` (seed {s.seed}), objective "
              f"`{s.objective}` (max, validation split carved from train; dev is reported, "
-             "never used to select).", "",
-             "| trials | completed | stopped early (ASHA) | errored |",
+             "never used to select).", ""]
+    if s.resources:
+        r = s.resources
+        lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "
+                  f"{r['gpus_per_trial']:g} GPU ({r['rule']}).", ""]
+    lines += ["| trials | completed | stopped early (ASHA) | errored |",
              "| --- | --- | --- | --- |",
              f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} |", ""]
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall | sst | qqp | "
