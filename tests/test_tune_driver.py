@@ -6,7 +6,9 @@ One smoke search (6 trials, ASHA) is shared by the assertions (module fixture).
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import subprocess
@@ -31,20 +33,23 @@ def search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    console = io.StringIO()
     try:
-        rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
-                   "--data-dir", tiny_data_dir, "--num-samples", str(NUM_TRIALS),
-                   "--storage-path", str(storage), "--experiment", "smoke-test",
-                   "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
-                   # one trial at a time: seeded TPE then sees results in a fixed order,
-                   # so the ASHA decisions (and the test) are deterministic
-                   "--max-concurrent", "1"])
+        with contextlib.redirect_stdout(console):
+            rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+                       "--data-dir", tiny_data_dir, "--num-samples", str(NUM_TRIALS),
+                       "--storage-path", str(storage), "--experiment", "smoke-test",
+                       "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
+                       # one trial at a time: seeded TPE then sees results in a fixed
+                       # order, so the ASHA decisions (and the test) are deterministic
+                       "--max-concurrent", "1"])
     finally:
         if started:
             ray.shutdown()
     exp_dir = storage / "smoke-test"
     summary = json.loads((exp_dir / "summary.json").read_text()) if rc == 0 else None
-    return {"rc": rc, "exp_dir": exp_dir, "uri": uri, "summary": summary}
+    return {"rc": rc, "exp_dir": exp_dir, "uri": uri, "summary": summary,
+            "console": console.getvalue()}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,42 @@ def test_smoke_search_completes(search):
     assert ens["val"]["val/overall"] >= s["best_trial"]["val"]["val/overall"] - 1e-4
     assert {"val/overall", "val/sst_acc"} <= set(ens["val"]) and "dev/overall" in ens["dev"]
     assert "dev/overall" in s["best_trial"]["dev"]
+
+
+def test_every_trial_reports_its_running_best(search, mlflow_runs):
+    """MLflow and Ray rank trials by best/val/overall as the summary does: each trial
+    run's latest best/val/overall is the maximum of its val/overall history."""
+    client, runs = mlflow_runs
+    trials = [r for r in runs if r.data.tags.get("kind") == "trial"]
+    assert len(trials) == NUM_TRIALS
+    for run in trials:
+        history = client.get_metric_history(run.info.run_id, "val/overall")
+        best = client.get_metric_history(run.info.run_id, "best/val/overall")
+        assert len(best) == len(history) >= 1
+        assert run.data.metrics["best/val/overall"] == pytest.approx(
+            max(m.value for m in history))
+        by_step = sorted(best, key=lambda m: m.step)
+        assert all(a.value <= b.value for a, b in zip(by_step, by_step[1:]))  # never falls
+    ranking = sorted(trials, key=lambda r: -r.data.metrics["best/val/overall"])
+    assert ranking[0].data.tags["trial_id"] == search["summary"]["best_trial"]["trial_id"]
+
+
+def test_driver_prints_mlflow_links_to_the_runs_view(search, mlflow_runs):
+    client, _ = mlflow_runs
+    s = search["summary"]
+    exp_id, parent = s["mlflow"]["experiment_id"], s["mlflow"]["parent_run_id"]
+    key = s["mlflow"]["runs_view"]
+    lines = search["console"].splitlines()
+    assert f"[tune] MLflow mlflow ui --backend-store-uri {search['uri']} --host 127.0.0.1 " \
+           "--port 5000" in lines
+    assert (f"[tune] MLflow runs, best first: http://127.0.0.1:5000/#/experiments/{exp_id}/runs"
+            f"?workflowType=machine_learning&viewStateShareKey={key}") in lines
+    assert (f"[tune] MLflow this search: http://127.0.0.1:5000/#/experiments/{exp_id}/runs/"
+            f"{parent}?workflowType=machine_learning") in lines
+    view = json.loads(client.get_experiment(exp_id).tags[f"mlflow.sharedViewState.{key}"])
+    assert view["orderByKey"] == "metrics.`best/val/overall`" and view["orderByAsc"] is False
+    assert view["selectedColumns"][:2] == ["metrics.`best/val/overall`", "metrics.`val/overall`"]
+    assert "params.`lr`" in view["selectedColumns"]
 
 
 def test_asha_stops_some_trials_early(search, ray_trials):

@@ -58,6 +58,29 @@ def ray_session(address: str | None) -> Iterator[None]:
             ray.shutdown()
 
 
+def dashboard_lines() -> list[str]:
+    """Where the dashboard is and how to get in: Ray 2.60 enables token authentication
+    by default, and the page then asks for the token once (it sets a cookie)."""
+    url = dashboard_url()
+    if not url:
+        return ["Ray dashboard: not running"]
+    lines = [f"Ray dashboard: {url}"]
+    if token_auth_enabled():
+        lines.append("Ray dashboard token: the page asks for it once (then a cookie keeps "
+                     "it); print it with `ray get-auth-token`")
+    return lines
+
+
+def token_auth_enabled() -> bool:
+    """Whether the connected Ray asks for its token (``RAY_AUTH_MODE=token``, Ray's default
+    since 2.60 once ``~/.ray/auth_token`` exists)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        return bool(is_token_auth_enabled())
+    except Exception:  # noqa: BLE001 -- an older Ray: no token authentication
+        return False
+
+
 def dashboard_url() -> str | None:
     try:
         from ray._private.worker import get_dashboard_url

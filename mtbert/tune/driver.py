@@ -18,15 +18,17 @@ from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
 from mtbert.tune import finalists as fin
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
-from mtbert.tune.cluster import dashboard_url, plan_resources, ray_session
+from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
 from mtbert.tune.search import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
 from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
-from mtbert.tune.tracking import (SearchTracker, log_ensemble_run, log_search_metrics,
-                                  log_trial_results)
+from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
+                                        log_trial_results, runs_view_key, share_runs_view,
+                                        ui_links)
+from mtbert.tune.tracking import SearchTracker
 
 
 def run(settings: SearchSettings) -> int:
@@ -35,9 +37,8 @@ def run(settings: SearchSettings) -> int:
     data = load_search_data(settings)
     settings = settings.resolved_for(sum(data.train_sizes().values()))
     with ray_session(settings.address):
-        url = dashboard_url()
-        print(f"[tune] Ray dashboard: {url}" if url else "[tune] Ray dashboard: not running",
-              flush=True)
+        for line in dashboard_lines():
+            print(f"[tune] {line}", flush=True)
         plan = plan_resources(settings.cpus_per_trial, settings.gpus_per_trial,
                               settings.max_concurrent, settings.address, settings.base["model"])
         settings = settings.with_resources(plan)
@@ -81,6 +82,9 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     tracker.log_artifact(parent, location.exp_dir / SETTINGS_FILE)
     print(f"[tune] experiment {location.ray_experiment}  |  MLflow {settings.mlflow_uri} "
           f"(experiment mtbert/{settings.space.name}, parent run {parent})", flush=True)
+    view = share_runs_view(tracker, list(settings.space.searched))
+    for line in ui_links(settings.mlflow_uri, tracker.experiment_id(), parent, view):
+        print(f"[tune] MLflow {line}", flush=True)
     evaluated = (f"evaluated at {budget.eval_every} x {budget.eval_growth:g}^k and the end"
                  if budget.eval_growth > 1 else f"evaluated every {budget.eval_every}")
     print(f"[tune] space {settings.space.name}: {', '.join(settings.space.searched)}; budget "
@@ -154,7 +158,8 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     dev_of = fin.dev_metrics(preds, data)
     report = write_report(records, settings.space.optuna_distributions(), exp_dir,
                           rungs=budget.rungs())
-    refs = MlflowRefs(settings.mlflow_uri, tracker.state.get("experiment_id"), parent_run)
+    refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
+                      runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
                             interrupted)
 
@@ -190,8 +195,10 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
     print(summary.console_table())
     print(f"[tune] summary: {location.public(location.exp_dir / 'summary.json')}  |  "
           f"{location.public(location.exp_dir / 'summary.md')}")
-    print(f"[tune] compare runs: mlflow ui --backend-store-uri {settings.mlflow_uri} "
-          "--host 127.0.0.1")
+    refs = summary.mlflow
+    for line in ui_links(settings.mlflow_uri, refs.experiment_id, refs.parent_run_id,
+                         refs.runs_view):
+        print(f"[tune] MLflow {line}")
     if summary.interrupted:
         print(f"[tune] the search was interrupted: {counts.interrupted} trials did not "
               f"finish and {counts.not_started} had not started; the summary covers what "

@@ -33,10 +33,15 @@ def ui_base(tracking_uri: str) -> str:
         else LOCAL_UI
 
 
+def runs_view_key(searched: list[str]) -> str:
+    """The shared view's key: one per set of searched params."""
+    return "mtbert-" + hashlib.sha1(",".join(searched).encode()).hexdigest()[:10]
+
+
 def share_runs_view(tracker: SearchTracker, searched: list[str]) -> str:
     """Tag the experiment with a shared view (the best score first, then the searched
     params) and return its key, for :func:`ui_links`."""
-    key = "mtbert-" + hashlib.sha1(",".join(searched).encode()).hexdigest()[:10]
+    key = runs_view_key(searched)
     columns = [f"metrics.`{BEST_OBJECTIVE}`", f"metrics.`{OBJECTIVE}`",
                *(f"params.`{k}`" for k in searched)]
     state = {"selectedColumns": columns, "orderByKey": f"metrics.`{BEST_OBJECTIVE}`",

@@ -20,6 +20,9 @@ from mtbert.metrics import scalar_metrics
 #: what the search maximises: the overall score on the validation split carved from train
 OBJECTIVE = "val/overall"
 MODE = "max"
+#: each trial's running best of the objective, reported beside it (sorting trials by it in
+#: Ray's table or MLflow agrees with the search's ranking; the parent run has it too)
+BEST_OBJECTIVE = f"best/{OBJECTIVE}"
 #: run counters sent with every evaluation besides the ``val/*``, ``train/*`` and ``time/*``
 #: metrics (the current learning rate goes as ``train/lr``: ``lr`` is a hyperparameter)
 RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")

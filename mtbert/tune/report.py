@@ -56,7 +56,7 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECT
         if t.status == TrialStatus.STOPPED_EARLY and last_event[t.trial_id] == i:
             stops_x.append(spent)
             stops_y.append(value)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     ax.scatter(xs, ys, s=12, color="0.6", label="evaluation (any trial)")
     ax.step(best_x, best_y, where="post", color="C0", lw=2, label="best so far")
     if stops_x:
@@ -65,9 +65,9 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECT
     ax.set_ylabel(f"validation {metric.split('/')[-1]}")
     ax.set_title("Best so far")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -75,7 +75,7 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECT
 def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECTIVE,
                          rungs: list[int] | None = None) -> Path:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for i, r in enumerate(rungs or []):
         ax.axvline(r, color="0.75", lw=0.8, ls=":", label="ASHA rung" if i == 0 else None)
     for i, t in enumerate(trials):
@@ -92,10 +92,10 @@ def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = OB
     ax.set_ylabel(f"validation {metric.split('/')[-1]}")
     ax.set_title("Learning curves (dashed = stopped early by ASHA)")
     ax.grid(alpha=0.3)
-    if len(trials) <= 12:
-        ax.legend(fontsize=7, loc="lower right")
+    if len(trials) <= 12:  # beside the axes, never over a curve
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -110,9 +110,11 @@ def importances_plot(importances: dict[str, dict[str, float]], path: Path) -> Pa
         items = sorted(imp.items(), key=lambda kv: kv[1])
         ax.barh([k for k, _ in items], [v for _, v in items], color="C0")
         ax.set_title(f"importance ({name})")
+        ax.set_xlabel("importance (share of the score's variance)")
+        ax.set_ylabel("hyperparameter")
         ax.set_xlim(0, 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -132,7 +134,7 @@ def confusion_plot(confusion: list[list[int]] | np.ndarray, path: Path, title: s
     ax.set_yticks(range(cm.shape[0]))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -104,6 +104,7 @@ class MlflowRefs:
     tracking_uri: str
     experiment_id: str | None
     parent_run_id: str
+    runs_view: str | None = None        # the shared view key (mlflow_results.ui_links)
     ensemble_run_id: str | None = None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
-from mtbert.tune.records import OBJECTIVE, RUN_KEYS
+from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
 from mtbert.tune.settings import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
@@ -43,16 +43,22 @@ FAILED_MARKER = "mtbert_failed.txt"
 # seconds).
 
 #: first in the report: Ray's progress table shows the first four metrics
-HEADLINE = (OBJECTIVE, "val/sst_acc", "val/qqp_acc", "val/sts_corr")
+HEADLINE = (OBJECTIVE, BEST_OBJECTIVE, "val/sst_acc", "val/qqp_acc", "val/sts_corr")
 
 
-def ray_metrics(metrics: dict) -> dict[str, float]:
-    """The scalar metrics of one evaluation as reported to Ray (headline keys first)."""
+def ray_metrics(metrics: dict, history: list[dict] = ()) -> dict[str, float]:
+    """The scalar metrics of one evaluation as reported to Ray (headline keys first), with
+    the running best of the objective over ``history`` (every evaluation so far, this one
+    included, as the Trainer keeps them across a resume)."""
     scalars = scalar_metrics(metrics)
+    scores = [scalar_metrics(h, finite=True).get(OBJECTIVE) for h in history]
+    scores = [s for s in scores if s is not None]
+    if scores:
+        scalars[BEST_OBJECTIVE] = max(scores)
     if "lr" in scalars:
         scalars["train/lr"] = scalars.pop("lr")
     keep = {k: v for k, v in scalars.items()
-            if k.startswith(("val/", "train/", "time/")) or k in RUN_KEYS}
+            if k.startswith(("val/", "train/", "time/", "best/")) or k in RUN_KEYS}
     ordered = {k: keep[k] for k in HEADLINE if k in keep}
     ordered.update({k: v for k, v in keep.items() if k not in ordered})
     return ordered
@@ -131,7 +137,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         timing = {"time/entered_at": entered_at, **startup,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
-        tune.report({**ray_metrics(metrics), **timing, "node_id": node_id},
+        tune.report({**ray_metrics(metrics, trainer.history), **timing, "node_id": node_id},
                     checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
 
     try:
