@@ -117,3 +117,27 @@ def test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed(tmp_p
     # the state file names the current ensemble, so a third finalisation reuses it
     reread = SearchTracker(tracker.tracking_uri, "mtbert/test", tmp_path)
     assert reread.state["ensemble_run_id"] == second
+
+
+def test_plots_label_every_axis_and_keep_legends_off_the_curves():
+    from mtbert.tune.report import (best_so_far_figure, importances_figure,
+                                    learning_curves_figure)
+    from mtbert.tune.records import TrialStatus
+    trials = [TrialRecord(f"t{i}", f"trial_t{i}", TrialStatus.COMPLETED, {"lr": 1e-4 * i},
+                          history=[{"examples_seen": 48 * k, "val/overall": 0.4 + 0.01 * k * i,
+                                    "timestamp": float(10 * i + k)} for k in (1, 2, 3)])
+              for i in range(1, 9)]
+    figures = [best_so_far_figure(trials), learning_curves_figure(trials, rungs=[48, 144]),
+               importances_figure({"fanova": {"lr": 0.8, "dropout": 0.2},
+                                   "ped_anova": {"lr": 0.6, "dropout": 0.4}})]
+    for fig in figures:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel(), ax.get_title()
+            legend = ax.get_legend()
+            if legend is not None:  # entirely to the right of the plotting area
+                assert legend.get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+    import matplotlib.pyplot as plt
+    for fig in figures:
+        plt.close(fig)

@@ -30,7 +30,18 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": legends beside the axes too
+    _plt().close(fig)
+    return path
+
+
 def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECTIVE) -> Path:
+    return _save(best_so_far_figure(trials, metric), path)
+
+
+def best_so_far_figure(trials: list[TrialRecord], metric: str = OBJECTIVE):
     plt = _plt()
     events = []  # (timestamp, trial, examples_seen, value)
     for t in trials:
@@ -66,14 +77,16 @@ def best_so_far_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECT
     ax.set_title("Best so far")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = OBJECTIVE,
                          rungs: list[int] | None = None) -> Path:
+    return _save(learning_curves_figure(trials, metric, rungs), path)
+
+
+def learning_curves_figure(trials: list[TrialRecord], metric: str = OBJECTIVE,
+                           rungs: list[int] | None = None):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 4))
     for i, r in enumerate(rungs or []):
@@ -94,13 +107,15 @@ def learning_curves_plot(trials: list[TrialRecord], path: Path, metric: str = OB
     ax.grid(alpha=0.3)
     if len(trials) <= 12:  # beside the axes, never over a curve
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def importances_plot(importances: dict[str, dict[str, float]], path: Path) -> Path | None:
+    fig = importances_figure(importances)
+    return None if fig is None else _save(fig, path)
+
+
+def importances_figure(importances: dict[str, dict[str, float]]):
     usable = {k: v for k, v in importances.items() if v and "_error" not in v}
     if not usable:
         return None
@@ -113,10 +128,7 @@ def importances_plot(importances: dict[str, dict[str, float]], path: Path) -> Pa
         ax.set_xlabel("importance (share of the score's variance)")
         ax.set_ylabel("hyperparameter")
         ax.set_xlim(0, 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def confusion_plot(confusion: list[list[int]] | np.ndarray, path: Path, title: str) -> Path:
@@ -133,10 +145,7 @@ def confusion_plot(confusion: list[list[int]] | np.ndarray, path: Path, title: s
     ax.set_xticks(range(cm.shape[1]))
     ax.set_yticks(range(cm.shape[0]))
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_report(trials: list[TrialRecord], distributions: dict[str, Any], folder: Path,
