@@ -177,3 +177,25 @@ def test_dashboard_the_driver_starts_listens_on_loopback_only(local_ray):
         with pytest.raises(OSError):
             with socket.create_connection((ip, port), timeout=3):
                 pass
+
+
+def test_driver_says_how_to_get_into_the_dashboard(local_ray):
+    """The hint about `ray get-auth-token` is printed exactly when the dashboard asks for
+    a token (it answers 401 without one); the token itself is never printed."""
+    import urllib.error
+    import urllib.request
+
+    from mtbert.tune.cluster import dashboard_lines
+    lines = dashboard_lines()
+    assert lines[0] == f"Ray dashboard: {local_ray}"
+    try:
+        with urllib.request.urlopen(f"{local_ray}/api/version", timeout=10) as resp:
+            needs_token = resp.status == 401
+    except urllib.error.HTTPError as exc:
+        needs_token = exc.code == 401
+    hinted = any("ray get-auth-token" in ln for ln in lines[1:])
+    assert hinted == needs_token, (lines, needs_token)
+    token_file = Path.home() / ".ray" / "auth_token"
+    if token_file.is_file():
+        token = token_file.read_text().strip()
+        assert token and not any(token in ln for ln in lines)
