@@ -133,6 +133,17 @@ CASES = [
     Case("cli_storage_uri_without_mlflow", ["--storage-path file:///tmp/mtbert-never-created: "
                                             "a URI storage needs --mlflow-uri"],
          args=["--storage-path", "file:///tmp/mtbert-never-created", "--mlflow-uri", None]),
+    Case("cli_gpus_nan", ["argument --gpus-per-trial: 'nan' is not a finite number"],
+         args=["--gpus-per-trial", "nan"]),
+    Case("cli_cpus_inf", ["argument --cpus-per-trial: 'inf' is not a finite number"],
+         args=["--cpus-per-trial", "inf"]),
+    Case("cli_mlflow_missing_colon", ["--mlflow-uri http//127.0.0.1:5000: a folder (MLflow's "
+                                      "file store); use sqlite:///ABSOLUTE/PATH.db"],
+         args=["--mlflow-uri", "http//127.0.0.1:5000"]),
+    Case("cli_mlflow_file_store", ["--mlflow-uri file:///tmp/mlruns: a folder (MLflow's file "
+                                   "store); use sqlite:///ABSOLUTE/PATH.db (a local store, no "
+                                   "server) or http(s)://HOST:PORT"],
+         args=["--mlflow-uri", "file:///tmp/mlruns"]),
     Case("cli_mlflow_unreachable", ["--mlflow-uri http://127.0.0.1:{port}: MLflow server "
                                     "unreachable"],
          args=["--mlflow-uri", "http://127.0.0.1:{port}"]),
@@ -211,3 +222,26 @@ def test_bad_input_exits_2_with_one_clear_line_and_nothing_written(outcomes, cas
     assert "Ray dashboard" not in o["stdout"] and "trial_" not in o["stdout"]
     if case.max_seconds:
         assert o["seconds"] < case.max_seconds, o["seconds"]
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("{\"args\": {", "is not valid JSON"),
+    ("", "is not valid JSON"),
+    ("{\"args\": {}, \"space_path\": \"x.yaml\"}", "has no 'space' (dict)"),
+])
+def test_resume_with_a_damaged_settings_file(tmp_path, content, expected):
+    """``--resume`` of a search whose saved settings are damaged: one line naming the
+    file, exit 2, the file left as it was."""
+    exp = tmp_path / "ray_results" / "damaged"
+    exp.mkdir(parents=True)
+    settings = exp / "mtbert_search.json"
+    settings.write_text(content, encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
+    out = subprocess.run([sys.executable, "tune_driver.py", "--resume", "--experiment", "damaged",
+                          "--storage-path", str(tmp_path / "ray_results")], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith(f"error: --resume: {settings}") and expected in lines[0]
+    assert settings.read_text(encoding="utf-8") == content
+    assert sorted(p.name for p in exp.iterdir()) == ["mtbert_search.json"]

@@ -192,11 +192,27 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
     if text is None:
         raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
                           f"(no {SETTINGS_FILE})")
-    saved = json.loads(text)
+    saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}")
     # the original settings win: the data, space and budget must not drift
     for key, value in saved["args"].items():
         if key not in _RESUME_OWN:
             setattr(args, key, value)
+    return saved
+
+
+def _parse_saved_settings(text: str, name: str) -> dict[str, Any]:
+    """A search's saved settings, checked: what ``--resume`` needs of them is there."""
+    try:
+        saved = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--resume: {name} is not valid JSON ({exc}); it is written when "
+                          "a search starts: restore it, or start a new search") from None
+    needed = {"args": dict, "space": dict, "space_path": str}
+    for key, kind in needed.items():
+        if not isinstance(saved, dict) or not isinstance(saved.get(key), kind):
+            raise ConfigError(f"--resume: {name} has no {key!r} ({kind.__name__}); it is "
+                              "written when a search starts: restore it, or start a new "
+                              "search")
     return saved
 
 

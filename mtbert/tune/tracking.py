@@ -75,14 +75,12 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
                                 "start it (mlflow server --host 127.0.0.1) or omit --mlflow-uri "
                                 "for the local SQLite store") from None
         return
-    if uri.startswith("file:") or "://" not in uri:
-        folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
-        if folder.exists() and not folder.is_dir():
-            raise TrackingError(f"--mlflow-uri {uri}: {folder} exists and is not a folder")
-        loc.check_creatable(folder, f"--mlflow-uri {uri}", TrackingError)
-        return
-    raise TrackingError(f"--mlflow-uri {uri}: unsupported scheme; use sqlite:///PATH.db, "
-                        "http(s)://HOST:PORT or a local folder")
+    # MLflow 3's file store (a folder, file:///...) is in maintenance mode: it fails at the
+    # first run; a value without a scheme is most often a mistyped URI (http//HOST:5000)
+    kind = "a folder (MLflow's file store)" if uri.startswith("file:") or "://" not in uri \
+        else "an unsupported scheme"
+    raise TrackingError(f"--mlflow-uri {uri}: {kind}; use sqlite:///ABSOLUTE/PATH.db (a local "
+                        "store, no server) or http(s)://HOST:PORT (an MLflow server)")
 
 
 def artifact_root_for(uri: str) -> str | None:
