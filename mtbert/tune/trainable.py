@@ -20,6 +20,7 @@ a retry fails at once instead of training again into the same NaN.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -147,6 +148,27 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
         trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
         startup["time/startup_s"] = time.time() - entered_at
-        trainer.fit()
+        stopped = _fit_until_stopped(trainer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if stopped:
+        # Tune stopped the trial (ASHA): its report raised SystemExit(0) in this, Ray's
+        # runner thread, and the actor exits right after.  The model, optimizer and data
+        # are freed here instead of with that exception's traceback while the
+        # interpreter shuts down (C++ destructors racing the exit: SIGABRT); a fresh
+        # SystemExit(0) ends the runner thread quietly.
+        trainer = None
+        gc.collect()
+        raise SystemExit(0)
+
+
+def _fit_until_stopped(trainer) -> bool:
+    """Train; True if Tune stopped the trial (its report raised SystemExit(0)).  The
+    exception and its traceback (which holds the trainer) are gone on return."""
+    try:
+        trainer.fit()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        return True
+    return False
