@@ -134,8 +134,10 @@ def test_compile_mode_the_device_cannot_run_is_a_config_error(tiny_config, tmp_p
                            "2 shared CPU cores (measured); set MTBERT_COMPILE_TEST=1 to run")
 def test_compiled_model_matches_eager_on_cpu(tiny_config, tmp_path):
     """compile=default (inductor, CPU): three optimizer steps and the validation predictions
-    agree with eager (losses to 1e-4 relative; Adam's first steps move every weight by ~lr,
-    so weights agree to 2·lr where a gradient is near zero)."""
+    agree with eager: the first loss (same weights) to 1e-4 relative, the later ones to 1e-3
+    (measured 1.7e-5 and 1.8e-4: Adam's first steps move every weight by ~lr whatever the
+    gradient's size, so where a gradient is rounding-level, its weight can differ by up to
+    2·lr per step: 6·lr after three steps; measured 5.5·lr)."""
     cfg = tiny_config(pad_lengths="buckets", dropout=0.0, eval_dev=False)
     data = load_data(cfg)
     split = data.split("sst", "train")
@@ -153,6 +155,21 @@ def test_compiled_model_matches_eager_on_cpu(tiny_config, tmp_path):
                              trainer.device, static_max_length=cfg.max_length)
         runs[mode] = losses, [p.detach().clone() for p in trainer.model.parameters()], pred
     (loss_e, weights_e, pred_e), (loss_c, weights_c, pred_c) = runs["none"], runs["default"]
-    np.testing.assert_allclose(loss_c, loss_e, rtol=1e-4)
-    assert max((a - b).abs().max().item() for a, b in zip(weights_e, weights_c)) < 2 * cfg.lr
+    np.testing.assert_allclose(loss_c[0], loss_e[0], rtol=1e-4)
+    np.testing.assert_allclose(loss_c, loss_e, rtol=1e-3)
+    assert max((a - b).abs().max().item() for a, b in zip(weights_e, weights_c)) <= 6 * cfg.lr
     assert (pred_c == pred_e).mean() >= 0.9
+
+
+def test_cli_refuses_a_compile_mode_the_device_cannot_run(tiny_model_dir, tiny_data_dir, tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "mtbert.train", "--data-dir", tiny_data_dir, "--out", str(out),
+         "--set", f"model={tiny_model_dir}", "--set", "device=cpu",
+         "--set", "compile=reduce-overhead"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.count("error:") == 1 and "compile=reduce-overhead" in result.stderr
+    assert not out.exists()
