@@ -103,23 +103,34 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
     warmup, steps = settings["warmup"], settings["steps"]
     plan = (plan * (1 + (warmup + steps) // max(len(plan), 1)))[: warmup + steps]
 
-    def run(groups) -> tuple[int, float, float, float]:
+    syncs = []
+
+    def run(groups, count_syncs: bool = False) -> tuple[int, float, float, float]:
+        import warnings
         examples, flops = 0, 0.0
         synchronize(device)
         started = time.time()
-        for group in groups:
-            batches = trainer._next_batches(group)
-            for batch in batches.values():
-                examples += len(batch["labels"])
-                flops += useful_flops(trainer.model.encoder, batch_lengths(batch))
-            trainer._train_batches(batches)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if count_syncs and device.type == "cuda":  # each host sync of the steps warns
+                torch.cuda.set_sync_debug_mode("warn")
+            for group in groups:
+                batches = trainer._next_batches(group)
+                for batch in batches.values():
+                    examples += len(batch["labels"])
+                    flops += useful_flops(trainer.model.encoder, batch_lengths(batch))
+                trainer._train_batches(batches)
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(str(w.message).splitlines()[0] for w in caught
+                     if "synchroniz" in str(w.message))
         synchronize(device)
         trainer._check_losses()  # the NaN check the trainer makes at its log points
         return examples, flops, started, time.time()
 
     _, _, w0, w1 = run(plan[:warmup])
     barrier.wait()
-    examples, flops, s0, s1 = run(plan[warmup:])
+    examples, flops, s0, s1 = run(plan[warmup:], count_syncs=True)
     barrier.wait()
     rows = sum(len(data.split(t, "val")) for t in TASKS)
     timings = []
@@ -132,12 +143,14 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
     results.put({"rank": rank, "startup_s": startup_s, "warmup_s": w1 - w0, "warmup_steps": warmup,
                  "examples": examples, "flops": flops, "steady_start": s0, "steady_end": s1,
                  "val_rows": rows, "eval_first_s": timings[0], "eval_s": timings[1],
-                 "device": str(device), "static_max_length": trainer.static_max_length})
+                 "device": str(device), "static_max_length": trainer.static_max_length,
+                 "host_syncs": len(syncs) if device.type == "cuda" else None,
+                 "sync_examples": sorted(set(syncs))[:3]})
 
 
 def bench_trainer(args, peak: float) -> list[dict]:
     n = args.concurrent
-    threads = max(1, args.threads // n) if args.device == "cpu" else args.threads
+    threads = max(1, args.threads // n)  # the host's threads, shared by the processes
     config = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
                   device=args.device, threads=threads, progress=False, eval_dev=False,
                   pad_lengths=args.pad_lengths, compile=args.compile,
@@ -171,6 +184,9 @@ def bench_trainer(args, peak: float) -> list[dict]:
     window = max(r["steady_end"] for r in rows) - min(r["steady_start"] for r in rows)
     total = sum(r["examples"] for r in rows) / window
     gflops = sum(r["flops"] for r in rows) / window / 1e9
+    if rows[0]["host_syncs"] is not None:
+        print(f"host synchronisations in the steady steps (torch.cuda sync debug mode): "
+              f"{[r['host_syncs'] for r in rows]} {rows[0]['sync_examples']}")
     print(f"together: {total:.1f} ex/s, {gflops:.1f} useful GFLOP/s, MFU {gflops / peak:.1%} "
           f"(steady windows, union {window:.1f} s)")
     return rows
@@ -334,8 +350,11 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--concurrent", type=int, default=1, help="trainer processes on the device")
     p.add_argument("--steps", type=int, default=12, help="timed (steady) steps")
-    p.add_argument("--warmup", type=int, default=4, help="trainer mode: warm-up schedule steps")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (split among processes)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="trainer mode: warm-up schedule steps (with --compile: enough to meet "
+                        "every (task, padded length) shape, or steady steps compile too)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="host CPU threads, split among the --concurrent processes")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-batch-size", type=int, default=128)
     p.add_argument("--eval-rows", type=int, default=0,
