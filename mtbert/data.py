@@ -442,33 +442,58 @@ class TaskBatcher:
         self._batches = self._make_pass(self.pass_index)
 
 
-def _pad(rows: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
+#: static padded lengths (``pad_lengths=buckets``): multiples of 16 up to 64, then steps of
+#: at most 1.5x; a batch is padded up to the first one that holds its longest row
+STATIC_LENGTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def static_length(longest: int, max_length: int) -> int:
+    """The padded length of a batch whose longest row has ``longest`` tokens: the first
+    of :data:`STATIC_LENGTHS` that holds it, capped at ``max_length`` (rows are truncated
+    to ``max_length`` when tokenised, so the cap always holds them)."""
+    for length in STATIC_LENGTHS:
+        if length >= longest:
+            return max(min(length, max_length), longest)
+    return max(longest, max_length)
+
+
+def _pad(rows: list[np.ndarray], pad_id: int, static_max_length: int = 0,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[len(rows), width]`` ids and mask; width = the longest row, or with
+    ``static_max_length`` its :func:`static_length` (few distinct shapes)."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = int(lengths.max())
+    if static_max_length:
+        width = static_length(width, static_max_length)
+    mask = np.arange(width) < lengths[:, None]
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-        mask[i, : len(r)] = 1
-    return torch.from_numpy(ids), torch.from_numpy(mask)
+    ids[mask] = np.concatenate(rows)  # row-major: row i's tokens fill its first lengths[i] slots
+    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
-def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int) -> dict[str, torch.Tensor]:
-    """Padded tensors for the rows ``indices`` (padding only to the batch's longest row).
+def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
+            static_max_length: int = 0) -> dict[str, torch.Tensor]:
+    """Padded tensors for the rows ``indices``: padding to the batch's longest row, or with
+    ``static_max_length`` (``pad_lengths=buckets``) up to its :func:`static_length`.
 
     Keys: single -> ``input_ids, attention_mask``; cross -> also ``token_type_ids``;
     siamese -> ``input_ids_a, attention_mask_a, input_ids_b, attention_mask_b``;
     plus ``labels`` when the split is labelled.
     """
     tok = split.tokens
+    static = static_max_length
     batch: dict[str, torch.Tensor] = {}
     if encoding == "single":
-        batch["input_ids"], batch["attention_mask"] = _pad([tok.a[i] for i in indices], pad_id)
+        batch["input_ids"], batch["attention_mask"] = _pad([tok.a[i] for i in indices], pad_id, static)
     elif encoding == "cross":
-        batch["input_ids"], batch["attention_mask"] = _pad([tok.pair[i] for i in indices], pad_id)
-        batch["token_type_ids"], _ = _pad([tok.pair_types[i] for i in indices], 0)
+        batch["input_ids"], batch["attention_mask"] = _pad([tok.pair[i] for i in indices], pad_id,
+                                                           static)
+        batch["token_type_ids"], _ = _pad([tok.pair_types[i] for i in indices], 0, static)
     else:
-        batch["input_ids_a"], batch["attention_mask_a"] = _pad([tok.a[i] for i in indices], pad_id)
-        batch["input_ids_b"], batch["attention_mask_b"] = _pad([tok.b[i] for i in indices], pad_id)
+        batch["input_ids_a"], batch["attention_mask_a"] = _pad([tok.a[i] for i in indices], pad_id,
+                                                               static)
+        batch["input_ids_b"], batch["attention_mask_b"] = _pad([tok.b[i] for i in indices], pad_id,
+                                                               static)
     if split.labels is not None:
         batch["labels"] = torch.from_numpy(np.asarray(split.labels[indices]))
     return batch

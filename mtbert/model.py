@@ -86,6 +86,10 @@ class MultitaskModel(nn.Module):
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None,
                 embeds: torch.Tensor | None) -> torch.Tensor:
+        if getattr(self.encoder.config, "_attn_implementation", None) == "sdpa":
+            # SDPA takes a 4-D boolean mask (True = attend) as it is; from a 2-D one
+            # transformers first tests `mask.all()` on the host: a GPU sync every forward
+            mask = mask[:, None, None, :].bool()
         if embeds is not None:
             out = self.encoder(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types)
         else:
