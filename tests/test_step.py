@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.config import TrainConfig
 from mtbert.data import STATIC_LENGTHS, collate, load_data, static_length
 from mtbert.errors import ConfigError
 from mtbert.trainer import NonFiniteLossError, Trainer, predict_split
