@@ -133,6 +133,11 @@ CASES = [
     Case("cli_storage_uri_without_mlflow", ["--storage-path file:///tmp/mtbert-never-created: "
                                             "a URI storage needs --mlflow-uri"],
          args=["--storage-path", "file:///tmp/mtbert-never-created", "--mlflow-uri", None]),
+    Case("space_compile_mode_needs_cuda", ["compile=reduce-overhead records CUDA graphs and "
+                                           "needs a CUDA device; the device is cpu"],
+         space="description: d\nparams:\n  lr: {loguniform: [1.0e-5, 1.0e-4]}\n"
+               "  compile: reduce-overhead\n",
+         args=[]),
     Case("cli_gpus_nan", ["argument --gpus-per-trial: 'nan' is not a finite number"],
          args=["--gpus-per-trial", "nan"]),
     Case("cli_cpus_inf", ["argument --cpus-per-trial: 'inf' is not a finite number"],

@@ -153,6 +153,8 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         from mtbert.tune.cluster import check_ray_address
         check_ray_address(args.address)
     base = _base_config(args, budget, space, data_dir, model)
+    if not args.address:
+        _check_compile_modes(space, args.gpus_per_trial)
     return SearchSettings(
         space=space, space_arg=args.space, budget=budget, num_samples=num_samples,
         top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
@@ -258,6 +260,23 @@ def _tracking_uri(args: argparse.Namespace, storage: Path) -> tuple[str, str | N
               file=sys.stderr, flush=True)
         return local, uri
     return uri, None
+
+
+def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> None:
+    """Every ``compile`` mode the space can give a trial runs on this machine's trials'
+    device: CUDA where there is one (unless ``--gpus-per-trial 0``), else the CPU.  (On a
+    remote cluster the workers' machines decide; a trial whose mode cannot run there
+    fails with the reason.)"""
+    import torch
+
+    from mtbert.trainer import check_compile_mode
+    param = space.params.get("compile")
+    if param is None:
+        return
+    modes = set(param.choices) if param.searched else {param.value}
+    cuda = gpus_per_trial != 0 and torch.cuda.is_available()
+    for mode in sorted(modes):
+        check_compile_mode(mode, torch.device("cuda" if cuda else "cpu"))
 
 
 def _model(model: str) -> str:

@@ -146,7 +146,10 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         resume_from = None
         if checkpoint is not None:
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
-        trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
+        try:
+            trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
+        except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
+            raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
         stopped = _fit_until_stopped(trainer)
     finally:
