@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from mtbert.atomic import atomic_write
+from mtbert.atomic import atomic_write, check_creatable
 from mtbert.config import TrainConfig
 from mtbert.errors import DataError
 from mtbert.pretrained import load_tokenizer
@@ -279,6 +279,14 @@ def default_cache_dir(cfg_value: str = "") -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
 
 
+def cache_dir_source(cfg_value: str = "") -> str:
+    """Where :func:`default_cache_dir` took the folder from, for an error message."""
+    if cfg_value:
+        return f"cache_dir={cfg_value}"
+    env = os.environ.get("MTBERT_CACHE")
+    return f"MTBERT_CACHE={env}" if env else f"the token cache {default_cache_dir()}"
+
+
 def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path,
                     stats: CacheStats) -> TokenTable:
     key = hashlib.sha256(
@@ -367,8 +375,9 @@ def load_data(cfg: TrainConfig, data_dir: str | None = None) -> MultitaskData:
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data folder not found (expected the CS 224N files, "
                         "e.g. ../shared/data)", path=str(data_dir))
-    tokenizer = load_tokenizer(cfg.model)
     cache_dir = default_cache_dir(cfg.cache_dir)
+    check_creatable(cache_dir, cache_dir_source(cfg.cache_dir))  # before any file is read
+    tokenizer = load_tokenizer(cfg.model)
     stats = CacheStats()
     splits: dict[str, dict[str, Split]] = {}
     for task in TASK_NAMES:
