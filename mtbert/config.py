@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -347,6 +348,23 @@ def check_value(f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{name}={_shown(value)} is not a string", key=name)
     if typ is str and "\x00" in value:  # every str field is a path or model name
         raise ConfigError(f"{name}={_shown(value)} contains a NUL character", key=name)
+
+
+def default_cache_dir(cfg_value: str = "") -> Path:
+    """The token and pre-training cache folder: ``cache_dir``, else $MTBERT_CACHE, else
+    ~/.cache/mtbert."""
+    if cfg_value:
+        return Path(cfg_value).expanduser()
+    env = os.environ.get("MTBERT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
+
+
+def cache_dir_source(cfg_value: str = "") -> str:
+    """Where :func:`default_cache_dir` took the folder from, for an error message."""
+    if cfg_value:
+        return f"cache_dir={cfg_value}"
+    env = os.environ.get("MTBERT_CACHE")
+    return f"MTBERT_CACHE={env}" if env else f"the token cache {default_cache_dir()}"
 
 
 def parse_set_args(pairs: list[str]) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import csv
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from mtbert.atomic import atomic_write, check_creatable
-from mtbert.config import TrainConfig
+from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir
 from mtbert.errors import DataError
 from mtbert.pretrained import load_tokenizer
 from mtbert.tasks import TASK_NAMES, TASKS, TaskSpec
@@ -109,7 +108,9 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
             continue  # blank line: not a row
         data_lines += 1
         try:
-            parsed = _parse_row(split_line(line, path, number), col, spec, labelled, path, number)
+            cells = split_line(line, path, number)
+            check_cell_count(cells, header, col, path, number)
+            parsed = _parse_row(cells, col, spec, labelled, path, number)
         except DataError as exc:
             bad.append(exc)
             continue
@@ -120,15 +121,14 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
             labels.append(parsed[2])
         row_lines.append(number)
     if bad:
-        allowed = int(bad_row_tolerance * data_lines)
-        if len(bad) > allowed:
-            more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+        if len(bad) > int(bad_row_tolerance * data_lines) or not ids:
+            more = f" ({len(bad) - 1} more bad rows of {data_lines})" if len(bad) > 1 else ""
             first = bad[0]
             raise DataError(f"{first}{more}", path=first.path, line=first.line)
         for exc in bad:
             log.warning("skipping bad row (within tolerance %.2g): %s", bad_row_tolerance, exc)
     if not ids:
-        raise DataError(f"{path}: no data rows after the header", path=str(path), line=2)
+        raise DataError(f"{path}, line 2: no data rows after the header", path=str(path), line=2)
     label_array = None
     if labelled:
         dtype = np.float32 if spec.label_kind == "score" else np.int64
@@ -156,6 +156,21 @@ def split_line(line: str, path: Path, number: int) -> list[str]:
                        f"malformed CSV ({exc})")
         raise DataError(f"{path}, line {number}: {problem}; expected one tab-separated row "
                         "per line", path=str(path), line=number) from None
+
+
+def check_cell_count(cells: list[str], header: list[str], col: dict[str, int], path: Path,
+                     number: int) -> None:
+    """A row has the header's number of cells (empty cells past the end aside): a row or a
+    header that gained or lost a tab would otherwise be read with shifted columns."""
+    count = len(cells)
+    while count > len(header) and not cells[count - 1].strip():
+        count -= 1
+    if count == len(header):
+        return
+    missing = [name for name, i in col.items() if i >= count]
+    detail = f"; empty or missing {missing[0]!r}" if missing else ""
+    raise DataError(f"{path}, line {number}: {count} tab-separated cells, expected "
+                    f"{len(header)} as in the header (line 1){detail}", path=str(path), line=number)
 
 
 def _parse_row(row: list[str], col: dict[str, int], spec: TaskSpec, labelled: bool,
@@ -270,21 +285,6 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     files: list[str] = field(default_factory=list)
-
-
-def default_cache_dir(cfg_value: str = "") -> Path:
-    if cfg_value:
-        return Path(cfg_value).expanduser()
-    env = os.environ.get("MTBERT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
-
-
-def cache_dir_source(cfg_value: str = "") -> str:
-    """Where :func:`default_cache_dir` took the folder from, for an error message."""
-    if cfg_value:
-        return f"cache_dir={cfg_value}"
-    env = os.environ.get("MTBERT_CACHE")
-    return f"MTBERT_CACHE={env}" if env else f"the token cache {default_cache_dir()}"
 
 
 def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path,

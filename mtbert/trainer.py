@@ -16,6 +16,7 @@ import math
 import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -414,15 +415,25 @@ RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every",
                 "eval_dev", "device", "threads", "progress")
 
 
-def read_training_state(path: Path, device: torch.device | str = "cpu") -> dict:
-    """``torch.load(weights_only=True)`` of a checkpoint's ``state.pt``; an empty,
-    truncated or foreign file is a :class:`DataError` naming it."""
+def check_training_state(path: Path) -> None:
+    """The cheap part of :func:`read_training_state` (no ``torch.load``): ``path`` is a
+    whole torch file -- torch saves a zip archive, so an empty or truncated file (whose
+    zip directory, at the end, is gone) is a :class:`DataError` naming it."""
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise DataError(f"{path}: cannot read it ({exc.strerror})", path=str(path)) from None
     if size == 0:
         raise DataError(f"{path}: empty file; {STATE_EXPECTED}", path=str(path))
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path}: damaged or not a torch file (not a whole zip archive: "
+                        f"truncated?); {STATE_EXPECTED}", path=str(path))
+
+
+def read_training_state(path: Path, device: torch.device | str = "cpu") -> dict:
+    """``torch.load(weights_only=True)`` of a checkpoint's ``state.pt``; an empty,
+    truncated or foreign file is a :class:`DataError` naming it."""
+    check_training_state(path)
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     # a damaged file fails in many ways (the zip reader's RuntimeError, EOFError,
