@@ -298,10 +298,13 @@ def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path
     if cache_file.is_file():
         try:
             pt = pq.read_table(cache_file)
-            stats.hits += 1
-            stats.files.append(f"hit {cache_file.name}")
-            return TokenTable(**{name: Ragged.from_arrow(pt.column(name))
-                                 for name in pt.column_names})
+            if pt.num_rows == len(table.ids):  # else not this table's tokens: rebuild
+                stats.hits += 1
+                stats.files.append(f"hit {cache_file.name}")
+                return TokenTable(**{name: Ragged.from_arrow(pt.column(name))
+                                     for name in pt.column_names})
+            log.warning("token cache %s has %d rows, the file %d; rebuilding", cache_file,
+                        pt.num_rows, len(table.ids))
         except (pa.ArrowException, OSError, KeyError, TypeError):
             log.warning("token cache %s unreadable; rebuilding", cache_file)
     stats.misses += 1

@@ -223,3 +223,23 @@ def test_collate_pads_to_longest_row(tiny_model_dir, tiny_data_dir, tmp_path):
     assert set(siamese) == {"input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b",
                             "labels"}
     assert siamese["labels"].tolist() == split.labels[idx].tolist()
+
+
+def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, tiny_data_dir,
+                                                              tmp_path):
+    """A cache entry written for the same file bytes but another row count (the reader
+    before issue 18 merged the rows after a stray quote) is not served."""
+    import pyarrow.parquet as pq
+
+    from mtbert.data import CacheStats, tokenize_cached
+    from mtbert.pretrained import load_tokenizer
+    table = read_task_file(Path(tiny_data_dir) / "sts-dev.csv", TASKS["sts"], labelled=True)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    stats = CacheStats()
+    first = tokenize_cached(table, tokenizer, 32, tmp_path, stats)
+    cache_file = next((tmp_path / "tokens").glob("sts-dev-*.parquet"))
+    pq.write_table(pq.read_table(cache_file).slice(0, 5), cache_file)  # a shorter, stale entry
+    again = tokenize_cached(table, tokenizer, 32, tmp_path, stats)
+    assert (stats.misses, stats.hits) == (2, 0) and len(again.a) == len(table.ids) == 30
+    assert np.array_equal(again.pair.values, first.pair.values)
+    assert tokenize_cached(table, tokenizer, 32, tmp_path, stats) and stats.hits == 1
