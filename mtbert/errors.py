@@ -22,3 +22,16 @@ class DataError(MtbertError):
         super().__init__(message)
         self.path = path
         self.line = line
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (with the next line when the first only
+    introduces it, as torch's ``load_state_dict`` does), at most ``limit`` characters:
+    how an error from a library is quoted inside one of ours."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -12,7 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from mtbert.config import TrainConfig, parse_set_args
+from mtbert.atomic import check_creatable
+from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir, parse_set_args
 from mtbert.errors import MtbertError
 
 
@@ -38,13 +39,19 @@ def main(argv: list[str] | None = None) -> int:
                else TrainConfig.from_dict(overrides, source="--set"))
         if out.exists() and not out.is_dir():
             raise MtbertError(f"--out {out}: exists and is not a folder")
+        check_creatable(out, f"--out {out}")
+        check_creatable(default_cache_dir(cfg.cache_dir), cache_dir_source(cfg.cache_dir))
         resume_from = None
         if args.resume:
             resume_from = out / "checkpoint"
             if not (resume_from / "state.pt").is_file():
                 raise MtbertError(f"--resume: no checkpoint in {resume_from}")
         from mtbert.data import load_data  # heavy imports after the cheap checks
-        from mtbert.trainer import Trainer
+        from mtbert.pretrained import check_model
+        from mtbert.trainer import Trainer, check_training_state
+        if resume_from is not None:
+            check_training_state(resume_from / "state.pt")
+        check_model(cfg.model)
         data = load_data(cfg)
         trainer = Trainer(cfg, data, out, resume_from=resume_from)
     except MtbertError as exc:

@@ -20,6 +20,7 @@ import json
 import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +29,9 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from mtbert.atomic import atomic_write_json
-from mtbert.config import TrainConfig
+from mtbert.config import TrainConfig, coerce_value, read_yaml_file
 from mtbert.data import MultitaskData, Split, TaskBatcher, collate, encoding_for, eval_batches
-from mtbert.errors import ConfigError
+from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
@@ -448,24 +449,121 @@ class Trainer:
         return final
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> None:
-        state = torch.load(Path(checkpoint_dir) / CHECKPOINT_FILE, map_location=self.device,
-                           weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.loss_combiner.load_state_dict(state["loss_combiner"])
-        if self.regulariser is not None and state["regulariser"]:
-            self.regulariser.load_state_dict(state["regulariser"])
-        for t, b in self.batchers.items():
-            b.load_state_dict(state["batchers"][t])
-        for key, value in state["counters"].items():
-            setattr(self, key, int(value))
-        torch.set_rng_state(state["torch_rng"].cpu())
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-        history_file = Path(checkpoint_dir) / "history.json"
+        """Restore a checkpoint written by :meth:`save_checkpoint`. A damaged file is a
+        :class:`DataError` naming it; a checkpoint whose model or optimizer state does not
+        fit this run is a :class:`ConfigError` naming the settings that differ."""
+        checkpoint_dir = Path(checkpoint_dir)
+        state_file = checkpoint_dir / CHECKPOINT_FILE
+        state = read_training_state(state_file, self.device)
+        part = "model"
+        try:
+            self.model.load_state_dict(state["model"])
+            part = "optimizer"
+            self.optimizer.load_state_dict(state["optimizer"])
+            part = "LR scheduler"
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            part = "loss weighting"
+            self.loss_combiner.load_state_dict(state["loss_combiner"])
+            part = "SMART regulariser"
+            if self.regulariser is not None and state["regulariser"]:
+                self.regulariser.load_state_dict(state["regulariser"])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise state_mismatch(checkpoint_dir, self.cfg, part, exc) from None
+        try:
+            for t, b in self.batchers.items():
+                b.load_state_dict(state["batchers"][t])
+            for key, value in state["counters"].items():
+                setattr(self, key, int(value))
+            torch.set_rng_state(state["torch_rng"].cpu())
+            if state["cuda_rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise DataError(f"{state_file}: damaged training state ({first_line(exc)}); "
+                            f"{STATE_EXPECTED}", path=str(state_file)) from None
+        history_file = checkpoint_dir / "history.json"
         if history_file.is_file():
-            self.history = json.loads(history_file.read_text(encoding="utf-8"))
+            try:
+                history = json.loads(history_file.read_bytes())
+            except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
+                raise DataError(f"{history_file}: unreadable ({first_line(exc)}); expected the "
+                                "JSON list of evaluations", path=str(history_file)) from None
+            if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+                raise DataError(f"{history_file}: expected a JSON list of evaluations, got "
+                                f"{type(history).__name__}", path=str(history_file))
+            self.history = history
+
+
+#: what every state.pt holds (see Trainer.save_checkpoint)
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "loss_combiner", "regulariser", "batchers",
+              "counters", "torch_rng", "cuda_rng")
+STATE_EXPECTED = "expected a training state written by python -m mtbert.train"
+#: settings that never change the shape of the saved state (a resume may change them)
+RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
+                "eval_dev", "device", "threads", "progress")
+
+
+def check_training_state(path: Path) -> None:
+    """The cheap part of :func:`read_training_state` (no ``torch.load``): ``path`` is a
+    whole torch file -- torch saves a zip archive, so an empty or truncated file (whose
+    zip directory, at the end, is gone) is a :class:`DataError` naming it."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read it ({exc.strerror})", path=str(path)) from None
+    if size == 0:
+        raise DataError(f"{path}: empty file; {STATE_EXPECTED}", path=str(path))
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path}: damaged or not a torch file (not a whole zip archive: "
+                        f"truncated?); {STATE_EXPECTED}", path=str(path))
+
+
+def read_training_state(path: Path, device: torch.device | str = "cpu") -> dict:
+    """``torch.load(weights_only=True)`` of a checkpoint's ``state.pt``; an empty,
+    truncated or foreign file is a :class:`DataError` naming it."""
+    check_training_state(path)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    # a damaged file fails in many ways (the zip reader's RuntimeError, EOFError,
+    # UnpicklingError, KeyError on garbage bytes, ...): each means it cannot be used
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"{path}: damaged or not a torch file ({first_line(exc)}); "
+                        f"{STATE_EXPECTED}", path=str(path)) from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise DataError(f"{path}: not a training state (no {missing[0]!r} entry); "
+                        f"{STATE_EXPECTED}", path=str(path))
+    return state
+
+
+def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str,
+                   exc: BaseException) -> MtbertError:
+    """The error for a checkpoint whose ``part`` state does not fit the run built from
+    ``cfg``: the settings that differ from the checkpoint's ``config.yaml``, if any."""
+    state_file = checkpoint_dir / CHECKPOINT_FILE
+    saved_file = checkpoint_dir / "config.yaml"
+    try:
+        saved = read_yaml_file(saved_file, "checkpoint config")
+    except ConfigError:
+        saved = None
+    current = cfg.to_dict()
+    differ = []
+    for key, value in (saved.items() if isinstance(saved, dict) else ()):
+        if key in current:
+            try:
+                value = coerce_value(key, value)
+            except ConfigError:
+                pass
+            if value != current[key]:
+                differ.append((key, value))
+    shaping = [d for d in differ if d[0] not in RUN_SETTINGS] or differ
+    reason = f"the {part} state does not fit: {first_line(exc)}"
+    if not shaping:
+        return DataError(f"{state_file}: {reason}; {STATE_EXPECTED} with this config",
+                         path=str(state_file))
+    listed = ", ".join(f"{key}={value!r} there, {current[key]!r} now" for key, value in shaping)
+    return ConfigError(f"{state_file}: written under a different config: {listed} (see "
+                       f"{saved_file}); resume with the checkpoint's settings ({reason})",
+                       key=shaping[0][0])
 
 
 # ---------------------------------------------------------------------- inference
@@ -511,6 +609,9 @@ def load_checkpoint_model(checkpoint_dir: str | Path, device: str = "cpu",
         prefer_stable_attention_kernels()
     cfg = TrainConfig.from_yaml(checkpoint_dir / "config.yaml")
     model = MultitaskModel.from_config(cfg)
-    state = torch.load(checkpoint_dir / CHECKPOINT_FILE, map_location=device, weights_only=True)
-    model.load_state_dict(state["model"])
+    state = read_training_state(checkpoint_dir / CHECKPOINT_FILE, device)
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise state_mismatch(checkpoint_dir, cfg, "model", exc) from None
     return cfg, model.to(device).eval()

