@@ -166,7 +166,8 @@ def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
     assert d["counts"]["not_started"] == 2 and d["trials"][2]["status"] == "error"
     assert d["trials"][0]["best_val_overall"] == 0.52 and d["trials"][0]["evaluations"] == 4
     assert d["mlflow"] == {"tracking_uri": "sqlite:///x.db", "experiment_id": "1",
-                           "parent_run_id": "parent", "ensemble_run_id": None}
+                           "parent_run_id": "parent", "runs_view": None,
+                           "ensemble_run_id": None}
     md = s.markdown()
     assert "| 3 | 1 | 1 | 1 |" in md
     assert "| 1 | a | completed | 192 | 0.5200 | 0.260 |" in md

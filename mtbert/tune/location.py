@@ -15,7 +15,7 @@ copied to ``URI/<experiment>/`` -- the settings and MLflow-id files at once, eve
 else when the search ends -- so ``--resume`` works from any machine that reaches the URI.
 
 :class:`ExperimentLocation` names one experiment's places (local folder, URI, what Ray
-is given, what users are shown); :func:`check_creatable` is the one write probe.
+is given, what users are shown).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import hashlib
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,25 +161,6 @@ def uri_of(uri: str, fs_path: str) -> str:
     if fs_path.startswith(root + "/"):
         return join(uri, fs_path[len(root) + 1:])
     return fs_path
-
-
-def check_creatable(folder: Path, what: str, error: type[ConfigError] = ConfigError) -> None:
-    """Raise ``error`` unless a folder can be created at ``folder`` (or in it)."""
-    probe = Path(folder).resolve()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK) or not _can_mkdir(probe):
-        raise error(f"{what}: cannot create a folder under {probe}")
-
-
-def _can_mkdir(folder: Path) -> bool:
-    """Really try (and undo): ``os.access`` says yes to root even on /proc or a read-only
-    mount."""
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".mtbert-probe-", dir=folder))
-    except OSError:
-        return False
-    return True
 
 
 def staging_root(uri: str) -> Path:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtbert.atomic import check_creatable
 from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
 from mtbert.tune import location as loc
@@ -175,12 +176,12 @@ def _storage(storage_path: str) -> tuple[Path, str | None]:
         if folder is not None:  # file:// -- a (shared) local filesystem: same checks
             if folder.exists() and not folder.is_dir():
                 raise ConfigError(f"{what}: exists and is not a folder")
-            loc.check_creatable(folder, what)
+            check_creatable(folder, what)
         return loc.staging_root(storage_uri), storage_uri
     storage = Path(storage_path).expanduser().resolve()
     if storage.exists() and not storage.is_dir():
         raise ConfigError(f"{what}: exists and is not a folder")
-    loc.check_creatable(storage, what)
+    check_creatable(storage, what)
     return storage, None
 
 
@@ -280,10 +281,12 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
 
 
 def _model(model: str) -> str:
-    """``--model``: a local folder (checked, made absolute for the workers) or a hub name."""
-    from mtbert.pretrained import resolve_model_path
+    """``--model``, checked before Ray starts (its config, tokenizer and weights file, not
+    the weights: a bad one is one error naming the file); a local folder made absolute
+    for the workers."""
+    from mtbert.pretrained import check_model
+    check_model(model)
     if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
-        resolve_model_path(model)  # raises a ConfigError naming the problem
         return str(Path(model).expanduser().resolve())
     return model
 

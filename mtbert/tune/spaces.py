@@ -264,7 +264,7 @@ def _number(where: str, dist: str, value: Any, integer: bool) -> float | int:
         raise SpaceError(f"{where}: {dist} bound {value!r} is not a number")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise SpaceError(f"{where}: {dist} bound {value!r} is not a number") from None
     if not math.isfinite(number):
         raise SpaceError(f"{where}: {dist} bound {value!r} is not finite")

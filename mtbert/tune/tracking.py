@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mtbert.atomic import atomic_write_text
+from mtbert.atomic import atomic_write_text, check_creatable
 from mtbert.errors import MtbertError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune import location as loc
@@ -60,7 +60,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             db = Path.cwd() / db
         if db.exists() and not db.is_file():
             raise TrackingError(f"--mlflow-uri {uri}: {db} exists and is not a file")
-        loc.check_creatable(db.parent, f"--mlflow-uri {uri}", TrackingError)
+        check_creatable(db.parent, f"--mlflow-uri {uri}")
         return
     if uri.startswith(("http://", "https://")):
         url = uri.rstrip("/") + "/health"
