@@ -66,7 +66,7 @@ class Case:
     args: list[str] = field(default_factory=list)         # replace / add CLI flags
     data: Callable[[Path], None] | None = None            # break the copied data folder
     space: str | None = None                              # YAML text of a bad space file
-    setup: Callable[[Path], list[str]] | None = None      # -> extra args (needs tmp root)
+    model: Callable[[Path], None] | None = None           # damage a copy of the tiny model
     max_seconds: float | None = None
 
 
@@ -138,6 +138,14 @@ CASES = [
          space="description: d\nparams:\n  lr: {loguniform: [1.0e-5, 1.0e-4]}\n"
                "  compile: reduce-overhead\n",
          args=[]),
+    Case("cli_model_unknown_architecture", ["config.json: model_type 'bertish' is not an "
+                                            "architecture"],
+         model=lambda m: (m / "config.json").write_text(
+             (m / "config.json").read_text().replace('"model_type": "bert"',
+                                                     '"model_type": "bertish"'))),
+    Case("cli_model_truncated_weights", ["model.safetensors"],
+         model=lambda m: (m / "model.safetensors").write_bytes(
+             (m / "model.safetensors").read_bytes()[:5000])),
     Case("cli_gpus_nan", ["argument --gpus-per-trial: 'nan' is not a finite number"],
          args=["--gpus-per-trial", "nan"]),
     Case("cli_cpus_inf", ["argument --cpus-per-trial: 'inf' is not a finite number"],
@@ -166,6 +174,10 @@ def _run_case(case: Case, root: Path, model: str, tiny_data: str) -> dict:
         data = root / "data"
         shutil.copytree(tiny_data, data)
         case.data(data)
+    if case.model is not None:
+        shutil.copytree(model, root / "model")
+        case.model(root / "model")
+        model = str(root / "model")
     space_file = root / "space.yaml"
     subst = {"data": str(data), "space": str(space_file), "port": str(_free_port()),
              "unwritable": str(_unwritable_dir(root)) if case.id == "cli_unwritable_storage"
