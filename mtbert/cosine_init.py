@@ -11,7 +11,7 @@ model's QQP logit is
 and (a, b) are the 1-D logistic regression of the duplicate label on the cosine,
 fitted here on ``cosine_fit_rows`` training rows by Newton's method on
 
-    L(a, b) = mean_i BCE(σ(a·c_i + b + o_i), y_i) + (λ/2)(a² + b²),  λ = 1e-5
+    L(a, b) = mean_i BCE(σ(a·c_i + b + o_i), y_i) + (λ/2)(a² + b²),  λ = 1e-3
 
 (o_i: the logit without the cosine term, 0 unless a pre-training stage trained the
 head; λ keeps (a, b) finite on separable rows). The first QQP evaluation is then the
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from mtbert.data import Split, collate, eval_batches
 from mtbert.model import MultitaskModel
 
-L2 = 1e-5
+L2 = 1e-3
 
 
 def fit_logistic_1d(x: np.ndarray, y: np.ndarray, offset: np.ndarray | None = None,

@@ -99,6 +99,15 @@ class MultitaskModel(nn.Module):
     def from_config(cls, cfg: TrainConfig) -> "MultitaskModel":
         return cls(load_encoder(cfg.model, cfg.dropout), cfg)
 
+    def complete_legacy_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict saved before issue 13 lacks the cosine maps: fill in the values
+        that reproduce its predictions exactly (STS 2.5·(cos + 1); no QQP cosine term)."""
+        legacy = {"sts_cos_scale": 2.5, "sts_cos_shift": 2.5,
+                  "qqp_cos_scale": 0.0, "qqp_cos_shift": 0.0}
+        own = self.state_dict()
+        return {**{k: torch.tensor(v) for k, v in legacy.items()
+                   if k in own and k not in state}, **state}
+
     # ---------------------------------------------------------------- encoding
     def head_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name, parameter) of everything outside the encoder: the task heads, the

@@ -438,5 +438,5 @@ def load_checkpoint_model(checkpoint_dir: str | Path, device: str = "cpu",
     cfg = TrainConfig.from_yaml(checkpoint_dir / "config.yaml")
     model = MultitaskModel.from_config(cfg)
     state = torch.load(checkpoint_dir / CHECKPOINT_FILE, map_location=device, weights_only=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(model.complete_legacy_state(state["model"]))
     return cfg, model.to(device).eval()
