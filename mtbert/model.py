@@ -82,9 +82,11 @@ class MultitaskModel(nn.Module):
         self.qqp_out = nn.Linear(features, 1)
         self.sts_out = (nn.Linear(features, STS_BINS if self.sts_bins else 1)
                         if cfg.sts_head == "regression" else None)
-        # STS cosine map score = s·cos + t (learned only with sts_cosine_map=affine)
+        # STS cosine map score = s·cos + t: learned with sts_cosine_map=affine where a loss
+        # reaches it (cosine head or cosine_mse), a fixed buffer otherwise
         scale, shift = COSINE_MAPS[cfg.sts_cosine_map]
-        learned = cfg.sts_cosine_map == "affine"
+        learned = cfg.sts_cosine_map == "affine" and (cfg.sts_head == "cosine"
+                                                      or cfg.sts_loss == "cosine_mse")
         self.sts_cos_scale = _scalar(scale, learned)
         self.sts_cos_shift = _scalar(shift, learned)
         # siamese QQP: logit = a·cos + b + qqp_out(features), qqp_out starting at 0
