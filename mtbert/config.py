@@ -72,6 +72,15 @@ class TrainConfig:
         "QQP and STS share one hidden layer before their outputs (report 002)"))
     sts_head: Literal["regression", "cosine"] = field(default="regression", metadata=_meta(
         "STS output: linear regression, or cosine of the two sentence vectors scaled to 0..5"))
+    sts_cosine_map: Literal["affine", "scaled", "report002"] = field(
+        default="affine", metadata=_meta(
+            "STS score from cos(u, v): affine = learned a·cos + b starting at 5·cos; scaled = "
+            "5·cos; report002 = 2.5·(cos + 1) (asks cos = -1 of unrelated pairs)"))
+    pair_head_init: Literal["cosine", "random"] = field(default="cosine", metadata=_meta(
+        "siamese QQP head: logit = a·cos + b (fitted on training rows) + a zero-initialised "
+        "linear layer on [u, v, |u-v|, u*v, cos], or a random linear layer alone"))
+    cosine_fit_rows: int = field(default=2000, metadata=_meta(
+        "QQP training rows the cosine start of the siamese QQP head is fitted on", low=2))
     sts_loss: Literal["mse", "ce_bins", "cosine_mse", "cosine_embedding"] = field(
         default="mse", metadata=_meta(
             "STS loss: mse; ce_bins (CE over 6 rounded scores); cosine_mse; cosine_embedding"))
@@ -98,8 +107,11 @@ class TrainConfig:
     batch_size_qqp: int = field(default=0, metadata=_meta("QQP batch size (0 = batch_size)", low=0))
     batch_size_sts: int = field(default=0, metadata=_meta("STS batch size (0 = batch_size)", low=0))
     eval_batch_size: int = field(default=128, metadata=_meta("evaluation batch size", low=1))
-    lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate", low=0.0, high=1.0,
-                                                   low_open=True))
+    lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate of the encoder",
+                                                   low=0.0, high=1.0, low_open=True))
+    head_lr_multiplier: float = field(default=1.0, metadata=_meta(
+        "learning rate of the task heads (everything outside the encoder) = lr × this",
+        low=0.0, high=1000.0, low_open=True))
     weight_decay: float = field(default=0.01, metadata=_meta("AdamW weight decay", low=0.0, high=1.0))
     warmup_ratio: float = field(default=0.1, metadata=_meta(
         "share of optimizer steps spent in linear warm-up", low=0.0, high=1.0))
@@ -156,6 +168,9 @@ class TrainConfig:
     # --- run --------------------------------------------------------------
     eval_every: int = field(default=0, metadata=_meta(
         "evaluate on the validation split every this many examples (0 = each epoch)", low=0))
+    eval_at_start: bool = field(default=True, metadata=_meta(
+        "also evaluate (and report) at 0 examples, before the first optimizer step "
+        "(not repeated on resume)"))
     eval_growth: float = field(default=1.0, metadata=_meta(
         "evaluation points eval_every * eval_growth^k (1 = a fixed interval; ASHA's "
         "reduction factor puts them on its rungs), plus one at the end", low=1.0, high=100.0))

@@ -4,8 +4,9 @@ Task losses: SST cross-entropy; QQP binary cross-entropy on the logit; STS by
 ``sts_loss``:
   * ``mse``: MSE between the 0..5 score and the label;
   * ``ce_bins``: cross-entropy over the 6 rounded scores (the score is the expectation);
-  * ``cosine_mse``: MSE between 2.5·(cos(u, v) + 1) and the label (report 002),
-    plus the head's MSE when the head is a regression;
+  * ``cosine_mse``: MSE between the cosine score s·cos(u, v) + t (``sts_cosine_map``;
+    report 002's is 2.5·(cos + 1)) and the label, plus the head's MSE when the head is a
+    regression;
   * ``cosine_embedding``: ``nn.CosineEmbeddingLoss`` on (u, v) with the label
     binarised at 2.5 (report 002), plus the head's MSE when the head is a regression.
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtbert.config import TrainConfig
-from mtbert.model import TaskOutput
+from mtbert.model import COSINE_MAPS, TaskOutput
 
 
 def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
@@ -41,8 +42,11 @@ def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig) -> torch.Tensor
         return F.cross_entropy(out.logits.float(), y.round().long())
     head_mse = F.mse_loss(out.score.float(), y) if cfg.sts_head == "regression" else 0.0
     if kind == "cosine_mse":
-        cos_score = 2.5 * (F.cosine_similarity(out.u.float(), out.v.float(), dim=-1) + 1.0)
-        return F.mse_loss(cos_score, y) + head_mse
+        cos_score = out.cos_score
+        if cos_score is None:  # an output built without the model: the map's starting (s, t)
+            scale, shift = COSINE_MAPS[cfg.sts_cosine_map]
+            cos_score = scale * F.cosine_similarity(out.u.float(), out.v.float(), dim=-1) + shift
+        return F.mse_loss(cos_score.float(), y) + head_mse
     if kind == "cosine_embedding":
         target = torch.where(y >= 2.5, 1.0, -1.0)
         return F.cosine_embedding_loss(out.u.float(), out.v.float(), target) + head_mse

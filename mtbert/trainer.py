@@ -2,7 +2,14 @@
 
 The fidelity unit is *examples seen*. Every ``eval_every`` examples (or each
 epoch) the trainer scores the validation split, writes a checkpoint and calls
-``report(metrics, checkpoint_dir)``; the Ray adapter plugs in there.
+``report(metrics, checkpoint_dir)``; the Ray adapter plugs in there. With
+``eval_at_start`` (default) a fresh run also does so at 0 examples, before its first
+optimizer step (after any pre-training stage), so every curve shows where training
+started from; a resumed run does not repeat it.
+
+Learning rates: the encoder trains at ``lr``, everything outside it (task heads,
+shared pair layer, cosine maps) at ``lr · head_lr_multiplier``; loss-combiner
+parameters at ``lr``. Each is split into weight-decay / no-decay groups.
 
 Exact resume: the data order is a pure function of (seed, task, pass, epoch)
 (see ``TaskBatcher`` and ``Schedule.plan``), so a checkpoint holds only counters,
@@ -143,6 +150,13 @@ class Trainer:
         if cfg.pretrain != "none" and resume_from is None:
             from mtbert.pretrain import run_pretraining
             run_pretraining(cfg, data, self.model, self.device, log=self.log)
+        if resume_from is None and getattr(self.model, "qqp_cosine_start", False):
+            from mtbert.cosine_init import fit_qqp_cosine
+            fit = fit_qqp_cosine(self.model, data.split("qqp", "train"), cfg.cosine_fit_rows,
+                                 data.pad_id, cfg.eval_batch_size, self.device, cfg.seed)
+            self.log(f"[mtbert] siamese QQP head starts at logit = {fit['a']:.3f}·cos "
+                     f"{fit['b']:+.3f} (fitted on {fit['rows']} training rows, accuracy "
+                     f"{fit['train_accuracy']:.3f})")
         self.loss_combiner = build_loss_combiner(cfg).to(self.device)
         self.grad_combiner = build_gradient_combiner(cfg)
         self.regulariser = build_regulariser(cfg, self.model)
@@ -189,17 +203,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _param_groups(self) -> list[dict]:
-        decay, no_decay = [], []
+        """Encoder (lr) and heads (lr · head_lr_multiplier), each split into weight decay
+        and no decay (biases, LayerNorm, scalars); loss-combiner parameters (lr, no decay).
+        Every group is named; the first is the encoder's decayed weights (the ``lr``
+        reported)."""
+        cfg = self.cfg
+        head_ids = {id(p) for _, p in self.model.head_parameters()}
+        groups = {name: [] for name in ("encoder", "encoder_no_decay", "heads", "heads_no_decay")}
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            (no_decay if p.ndim < 2 or "LayerNorm" in name or name.endswith("bias") else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+            module = "heads" if id(p) in head_ids else "encoder"
+            no_decay = p.ndim < 2 or "LayerNorm" in name or name.endswith("bias")
+            groups[module + ("_no_decay" if no_decay else "")].append(p)
+        out = []
+        for name, params in groups.items():
+            lr = cfg.lr * (cfg.head_lr_multiplier if name.startswith("heads") else 1.0)
+            decay = 0.0 if name.endswith("no_decay") else cfg.weight_decay
+            if params:
+                out.append({"params": params, "lr": lr, "weight_decay": decay, "name": name})
         extra = [p for p in self.loss_combiner.parameters() if p.requires_grad]
         if extra:
-            groups.append({"params": extra, "weight_decay": 0.0})
-        return groups
+            out.append({"params": extra, "lr": cfg.lr, "weight_decay": 0.0,
+                        "name": "loss_combiner"})
+        return out
 
     def _epoch_plan(self, epoch: int) -> list[tuple[str, ...]]:
         rng = np.random.default_rng([self.cfg.seed, 7919, epoch])
@@ -229,6 +256,8 @@ class Trainer:
         self._examples_at_start = self.examples_seen
         self.log(f"[mtbert] device={self.device} schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
+        if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
+            self._evaluate_and_report()  # where training starts from (not on resume)
         done = self._budget_spent()
         while not done and self.epoch <= cfg.epochs:
             plan = self._epoch_plan(self.epoch)
@@ -611,7 +640,7 @@ def load_checkpoint_model(checkpoint_dir: str | Path, device: str = "cpu",
     model = MultitaskModel.from_config(cfg)
     state = read_training_state(checkpoint_dir / CHECKPOINT_FILE, device)
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(model.complete_legacy_state(state["model"]))
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise state_mismatch(checkpoint_dir, cfg, "model", exc) from None
     return cfg, model.to(device).eval()

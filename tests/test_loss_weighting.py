@@ -134,11 +134,14 @@ def sts_output(head_score=None):
 
 def test_sts_cosine_mse():
     y = torch.tensor([5.0, 1.0, 0.0])
-    c = cfg(sts_loss="cosine_mse", sts_head="cosine")
+    c = cfg(sts_loss="cosine_mse", sts_head="cosine", sts_cosine_map="report002")
     # cosine scores 2.5·(cos + 1) = 5, 2.5, 0 → squared errors 0, 2.25, 0
     assert sts_loss(sts_output(), y, c).item() == pytest.approx(2.25 / 3)
+    # the default map starts at 5·cos = 5, 0, −5 → squared errors 0, 1, 25
+    c = cfg(sts_loss="cosine_mse", sts_head="cosine")
+    assert sts_loss(sts_output(), y, c).item() == pytest.approx(26 / 3)
     # with a regression head its MSE is added: head scores 4, 1, 1 → errors 1, 0, 1
-    c = cfg(sts_loss="cosine_mse", sts_head="regression")
+    c = cfg(sts_loss="cosine_mse", sts_head="regression", sts_cosine_map="report002")
     out = sts_output(torch.tensor([4.0, 1.0, 1.0]))
     assert sts_loss(out, y, c).item() == pytest.approx(2.25 / 3 + 2 / 3)
 

@@ -47,7 +47,7 @@ def test_head_shapes(tiny_config, tiny_data, pair_encoding, shared, sts_head, st
         assert sts.logits.shape == (4, 6)
     if sts_head == "cosine":
         cos = F.cosine_similarity(sts.u, sts.v, dim=-1)
-        assert torch.allclose(sts.score, 2.5 * (cos + 1))
+        assert torch.allclose(sts.score, 5 * cos)  # the default map starts at 5·cos
     pred = model.predict("sts", sts_batch)
     assert ((pred >= 0) & (pred <= 5)).all()
     for task in ("sst", "qqp", "sts"):
@@ -84,8 +84,8 @@ def test_task_losses_match_hand_computed_values(tiny_config):
                    cfg.replace(sts_loss="ce_bins"))
     assert ce.item() == pytest.approx(-math.log(math.e / (math.e + 5)))  # label 3.4 rounds to bin 3
     u = torch.tensor([[1.0, 0.0]])
-    v = torch.tensor([[0.0, 1.0]])  # cos = 0 -> cosine score 2.5
-    cos_cfg = cfg.replace(sts_loss="cosine_mse", sts_head="cosine")
+    v = torch.tensor([[0.0, 1.0]])  # cos = 0 -> cosine score 2.5 (report 002's map)
+    cos_cfg = cfg.replace(sts_loss="cosine_mse", sts_head="cosine", sts_cosine_map="report002")
     out = TaskOutput(score=torch.tensor([2.5]), u=u, v=v)
     assert task_loss("sts", out, torch.tensor([4.5]), cos_cfg).item() == pytest.approx(4.0)
     emb_cfg = cfg.replace(sts_loss="cosine_embedding", sts_head="cosine")
@@ -94,7 +94,7 @@ def test_task_losses_match_hand_computed_values(tiny_config):
     # y < 2.5 -> target -1 -> loss max(0, cos) = 0
     assert task_loss("sts", out, torch.tensor([1.0]), emb_cfg).item() == pytest.approx(0.0)
     # with a regression head the head's own MSE is added
-    reg_cfg = cfg.replace(sts_loss="cosine_mse")
+    reg_cfg = cfg.replace(sts_loss="cosine_mse", sts_cosine_map="report002")
     out_reg = TaskOutput(score=torch.tensor([3.5]), u=u, v=v)
     assert task_loss("sts", out_reg, torch.tensor([4.5]), reg_cfg).item() == pytest.approx(4.0 + 1.0)
 

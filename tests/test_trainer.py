@@ -22,13 +22,14 @@ def test_training_loss_falls(tiny_config, tmp_path):
     cfg = tiny_config(epochs=12, lr=3e-3, eval_dev=False, schedule="round_robin", update="summed")
     trainer = Trainer(cfg, load_data(cfg), tmp_path)
     trainer.fit()
-    first, last = trainer.history[0], trainer.history[-1]
+    start, first, last = trainer.history[0], trainer.history[1], trainer.history[-1]
+    assert start["examples_seen"] == 0 and "train/loss_sst" not in start  # eval_at_start
     # SST (5 classes, sentiment words) and STS (topic overlap) are learnable by a tiny random
     # BERT in 72 steps; QQP's topic matching needs more and is not asserted here.
     for task in ("sst", "sts"):
         assert last[f"train/loss_{task}"] < 0.8 * first[f"train/loss_{task}"], task
     assert last["val/overall"] > first["val/overall"]
-    assert len(trainer.history) == 12 and last["examples_seen"] == 12 * 3 * 54  # 60 rows - 6 val
+    assert len(trainer.history) == 1 + 12 and last["examples_seen"] == 12 * 3 * 54  # 60 rows - 6 val
 
 
 def test_time_breakdown_is_cumulative_and_bounded_by_the_wall_clock(tiny_config, tmp_path):
@@ -70,9 +71,9 @@ def test_geometric_evaluations_land_on_the_points_and_the_end(tiny_config, tmp_p
                       report=lambda m, d: seen.append(m["examples_seen"]))
     trainer.fit()
     total = 3 * 3 * 54  # epochs x tasks x training rows
-    assert seen[-1] == total
+    assert seen[0] == 0 and seen[-1] == total  # eval_at_start, then the points and the end
     point, expected = 40, []
-    for s in seen[:-1]:  # each report is the first step at or past the next point
+    for s in seen[1:-1]:  # each report is the first step at or past the next point
         assert s >= point and s - cfg.batch_size < point, (s, point)
         expected.append(point)
         point = next_eval_point(s, 40, 2.0)
@@ -111,30 +112,50 @@ def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
     assert trainer.evaluate("val")["val/overall"] == pytest.approx(metrics["val/overall"])
 
 
-@pytest.mark.parametrize("schedule,update", [("random_order", "per_task"), ("sqrt", "summed")])
-def test_resume_from_checkpoint_is_exact(tiny_config, tmp_path, schedule, update):
+@pytest.mark.parametrize("schedule,update,extra,stop_after", [
+    ("random_order", "per_task", {}, 2),
+    ("sqrt", "summed", {}, 2),
+    # issue 13: learned cosine map, fitted QQP cosine start, faster heads; and a resume
+    # from the 0-example checkpoint (which must not evaluate at 0 again)
+    ("random_order", "per_task", {"pair_encoding": "siamese", "sts_head": "cosine",
+                                  "head_lr_multiplier": 10.0}, 2),
+    ("random_order", "per_task", {"pair_encoding": "siamese", "sts_head": "cosine"}, 1),
+])
+def test_resume_from_checkpoint_is_exact(tiny_config, tmp_path, schedule, update, extra,
+                                         stop_after):
     cfg = tiny_config(epochs=2, eval_every=40, max_examples=200, schedule=schedule, update=update,
-                      dropout=0.2, eval_dev=False)
+                      dropout=0.2, eval_dev=False, **extra)
     data = load_data(cfg)
     straight_reports = []
     Trainer(cfg, data, tmp_path / "a",
             report=lambda m, d: straight_reports.append(m["val/overall"])).fit()
-    # interrupt: a run that stops after its first evaluation (its checkpoint is kept)
+    # interrupt: a run that stops after its stop_after-th evaluation (the first is the one
+    # at 0 examples; its checkpoint is kept)
 
     class Stop(Exception):
         pass
 
-    def stop_after_first(metrics, checkpoint_dir):
-        raise Stop
+    interrupted_reports = []
+
+    def stop_after_n(metrics, checkpoint_dir):
+        interrupted_reports.append(metrics["val/overall"])
+        if len(interrupted_reports) == stop_after:
+            raise Stop
 
     with pytest.raises(Stop):
-        Trainer(cfg, data, tmp_path / "b", report=stop_after_first).fit()
-    resumed_reports = []
+        Trainer(cfg, data, tmp_path / "b", report=stop_after_n).fit()
+    resumed_reports, resumed_seen = [], []
     resumed = Trainer(cfg, data, tmp_path / "b", resume_from=tmp_path / "b" / "checkpoint",
-                      report=lambda m, d: resumed_reports.append(m["val/overall"]))
-    assert resumed.examples_seen >= 40
+                      report=lambda m, d: (resumed_reports.append(m["val/overall"]),
+                                           resumed_seen.append(m["examples_seen"])))
+    assert resumed.examples_seen >= (40 if stop_after > 1 else 0)
     final = resumed.fit()
-    assert resumed_reports == straight_reports[1:]  # bit-identical on CPU
+    assert interrupted_reports == straight_reports[:stop_after]
+    assert resumed_reports == straight_reports[stop_after:]  # bit-identical on CPU
+    assert 0 not in resumed_seen  # the 0-example evaluation is not repeated on resume
+    history = [json.loads(line) for line in (tmp_path / "b" / "history.jsonl").open()]
+    assert [h["examples_seen"] for h in history][0] == 0
+    assert len({h["examples_seen"] for h in history}) == len(history)
     straight_final = json.loads((tmp_path / "a" / "metrics.json").read_text())
     assert final["val/overall"] == straight_final["val/overall"]
     assert final["examples_seen"] == straight_final["examples_seen"]
