@@ -147,16 +147,8 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.model = (model or MultitaskModel.from_config(cfg)).to(self.device)
-        if cfg.pretrain != "none" and resume_from is None:
-            from mtbert.pretrain import run_pretraining
-            run_pretraining(cfg, data, self.model, self.device, log=self.log)
-        if resume_from is None and getattr(self.model, "qqp_cosine_start", False):
-            from mtbert.cosine_init import fit_qqp_cosine
-            fit = fit_qqp_cosine(self.model, data.split("qqp", "train"), cfg.cosine_fit_rows,
-                                 data.pad_id, cfg.eval_batch_size, self.device, cfg.seed)
-            self.log(f"[mtbert] siamese QQP head starts at logit = {fit['a']:.3f}·cos "
-                     f"{fit['b']:+.3f} (fitted on {fit['rows']} training rows, accuracy "
-                     f"{fit['train_accuracy']:.3f})")
+        if resume_from is None:
+            self._prepare_fresh_model()
         self.loss_combiner = build_loss_combiner(cfg).to(self.device)
         self.grad_combiner = build_gradient_combiner(cfg)
         self.regulariser = build_regulariser(cfg, self.model)
@@ -202,6 +194,25 @@ class Trainer:
                         "eval_s": 0.0, "checkpoint_s": 0.0}
 
     # ------------------------------------------------------------------ setup
+    def _prepare_fresh_model(self) -> None:
+        """The stages a fresh run's model goes through before training: the pre-training
+        stage (``cfg.pretrain``: SimCSE / supervised SimCSE / QQP, cached by key) and the
+        siamese QQP head's fit to the cosine.  They stay in the Trainer rather than with
+        its callers because they need what the Trainer sets up first (device, threads,
+        seed), must run before the optimizer takes the parameters, and must not run on a
+        resume -- which only the Trainer knows; each caller would repeat all of that."""
+        cfg, data = self.cfg, self.data
+        if cfg.pretrain != "none":
+            from mtbert.pretrain import run_pretraining
+            run_pretraining(cfg, data, self.model, self.device, log=self.log)
+        if getattr(self.model, "qqp_cosine_start", False):
+            from mtbert.cosine_init import fit_qqp_cosine
+            fit = fit_qqp_cosine(self.model, data.split("qqp", "train"), cfg.cosine_fit_rows,
+                                 data.pad_id, cfg.eval_batch_size, self.device, cfg.seed)
+            self.log(f"[mtbert] siamese QQP head starts at logit = {fit['a']:.3f}·cos "
+                     f"{fit['b']:+.3f} (fitted on {fit['rows']} training rows, accuracy "
+                     f"{fit['train_accuracy']:.3f})")
+
     def _param_groups(self) -> list[dict]:
         """Encoder (lr) and heads (lr · head_lr_multiplier), each split into weight decay
         and no decay (biases, LayerNorm, scalars); loss-combiner parameters (lr, no decay).

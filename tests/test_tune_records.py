@@ -47,7 +47,8 @@ def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
                {"examples_seen": 96, OBJECTIVE: 0.45},
                {"examples_seen": 96, OBJECTIVE: 0.47},       # replayed after a resume
                {"examples_seen": 144, OBJECTIVE: float("nan")}]
-    checkpoints = [("ckpt_a", {OBJECTIVE: 0.40, "examples_seen": 48}),
+    checkpoints = [("ckpt_0", {OBJECTIVE: 0.60, "examples_seen": 0}),   # untrained start
+                   ("ckpt_a", {OBJECTIVE: 0.40, "examples_seen": 48}),
                    ("ckpt_b", {OBJECTIVE: 0.47, "examples_seen": 96}),
                    ("ckpt_c", {OBJECTIVE: float("nan"), "examples_seen": 144})]
     r = trial_record("t1", "trial_t1", {"lr": 1e-4}, history, checkpoints, 120, None, MAX, RUNGS)

@@ -114,7 +114,9 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
     best, best_path = {}, None
     for path, metrics in checkpoints:
         score = metrics.get(OBJECTIVE)
-        if score is None or not math.isfinite(score):
+        # the evaluation at 0 examples shows where a trial started; it is no trained model
+        # to rank or ensemble (a trial that only lost has no best checkpoint)
+        if score is None or not math.isfinite(score) or not metrics.get("examples_seen"):
             continue
         if not best or score > best[OBJECTIVE]:
             best, best_path = scalar_metrics(metrics, finite=True), path

@@ -49,6 +49,7 @@ DATA_FIELDS = {
 RUN_FIELDS = {
     "epochs": "--budget", "max_examples": "--budget", "eval_every": "--budget",
     "eval_growth": "--budget",
+    "eval_at_start": "the driver (every trial's curve starts at 0 examples)",
     "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
     "threads": "--cpus-per-trial", "progress": "the driver",
 }
