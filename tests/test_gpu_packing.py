@@ -86,7 +86,7 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
         bad = _driver(cluster, tiny_model_dir, tiny_data_dir, tmp_path, "too-many",
                       "--gpus-per-trial", "3")
         out = _driver(cluster, tiny_model_dir, tiny_data_dir, tmp_path, "packed",
-                      "--num-samples", "2", "--scheduler", "fifo")
+                      "--num-samples", "2", "--scheduler", "fifo", "--keep-checkpoints", "all")
     assert bad.returncode == 2, bad.stderr[-2000:]
     errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")]
     assert errors == ["error: --gpus-per-trial 3: the Ray cluster's nodes have at most 2 GPUs "
@@ -113,3 +113,10 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
     assert parent.data.params["gpus_per_trial"] == "0.1428"
     assert parent.data.params["gpus_rule"].startswith("auto: 7 trials per GPU")
     assert not (tmp_path / "ray_results" / "too-many").exists()
+    # --keep-checkpoints all: today's contents -- every trial's training states, no export
+    # (fifo: each trial's 2 best checkpoints and its latest, here 3 of its 5 evaluations)
+    assert summary["keep_checkpoints"] == "all" and summary["models"] == {}
+    assert not (exp_dir / "models").exists() and not (exp_dir / "mtbert_pruned.json").exists()
+    for trial in summary["trials"]:
+        states = list((exp_dir / trial["name"]).glob("checkpoint_*/state.pt"))
+        assert len(states) == 3, (trial["name"], states)

@@ -101,12 +101,16 @@ def test_uri_storage_holds_every_file(two_node_search):
     summary = json.loads((exp_dir / "summary.json").read_text())
     assert summary["experiment_dir"] == exp_uri
     paths = [summary["best_trial"]["checkpoint"], summary["best_trial"]["predictions"],
+             summary["best_trial"]["model"], *summary["models"].values(),
              summary["ensemble"]["predictions"], *summary["report_files"].values(),
              *(t["best_checkpoint"] for t in summary["trials"] if t["best_checkpoint"])]
     for uri in paths:
         assert uri.startswith(exp_uri + "/"), uri
         assert Path(urlparse(uri).path).exists(), uri
-    assert (Path(urlparse(summary["best_trial"]["checkpoint"]).path) / "state.pt").is_file()
+    # --keep-checkpoints best: the weights are uploaded beside the results, no training
+    # state is left at the URI
+    assert (Path(urlparse(summary["best_trial"]["model"]).path) / "heads.safetensors").is_file()
+    assert not list(exp_dir.rglob("state.pt"))
     assert list((exp_dir / "ensemble" / "predictions").glob("sst-dev-output.csv"))
     settings = json.loads((exp_dir / "mtbert_search.json").read_text())
     assert settings["args"]["storage_path"] == exp_uri.rsplit("/", 1)[0]

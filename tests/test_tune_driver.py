@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +135,49 @@ def test_driver_prints_mlflow_links_to_the_runs_view(search, mlflow_runs):
     assert "params.`lr`" in view["selectedColumns"]
 
 
+def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(search,
+                                                                           tiny_data_dir):
+    """--keep-checkpoints best (default): the best trial's and the ensemble members'
+    weights in models/, loadable, predicting dev exactly as the search reported; no
+    training state left anywhere in the experiment."""
+    import pyarrow.parquet as pq
+
+    from mtbert.config import TrainConfig
+    from mtbert.data import encoding_for, load_data
+    from mtbert.model_files import load_model
+    from mtbert.trainer import predict_split
+    s, exp_dir = search["summary"], search["exp_dir"]
+    assert s["keep_checkpoints"] == "best"
+    kept = {s["best_trial"]["trial_id"], *s["ensemble"]["members"]}
+    assert set(s["models"]) == kept
+    assert sorted(p.name for p in (exp_dir / "models").iterdir()) == sorted(kept)
+    assert not list(exp_dir.rglob("state.pt"))
+    assert (exp_dir / "mtbert_pruned.json").is_file()
+    best = s["best_trial"]
+    assert best["model"] == s["models"][best["trial_id"]]
+    cfg, model = load_model(best["model"])
+    assert cfg.to_dict() == TrainConfig.from_dict(best["config"]).to_dict()
+    data = load_data(TrainConfig.from_dict({**best["config"], "data_dir": tiny_data_dir}))
+    reported = Path(best["predictions"])
+    for task in ("sst", "qqp", "sts"):
+        split = data.split(task, "dev")
+        pred = predict_split(model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
+                             cfg.eval_batch_size, model.encoder.device)
+        table = pq.read_table(reported / f"dev-{task}.parquet").to_pydict()
+        column = "probability" if task == "qqp" else "prediction"
+        np.testing.assert_allclose(pred, table[column], rtol=0, atol=1e-6, err_msg=task)
+
+
+def test_resume_of_a_pruned_search_is_refused(search):
+    out = subprocess.run([sys.executable, "tune_driver.py", "--resume", "--experiment",
+                          "smoke-test", "--storage-path", str(search["exp_dir"].parent)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_ADDRESS": ""})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert "finished and its training states were removed (--keep-checkpoints best)" in lines[0]
+
+
 def test_asha_stops_some_trials_early(search, ray_trials):
     s = search["summary"]
     max_examples = s["budget"]["max_examples"]
@@ -150,15 +194,20 @@ def test_asha_stops_some_trials_early(search, ray_trials):
 def test_summary_consistent_with_ray(search, ray_trials):
     s = search["summary"]
     assert {t["trial_id"] for t in s["trials"]} == {t.trial_id for t in ray_trials.trials}
-    best = ray_trials.get_best_trial(scope="all")
+    # the best trained evaluation (the one at 0 examples shows the start, it is not ranked)
+    trained = {t.trial_id: df[df["examples_seen"] > 0]["val/overall"].max()
+               for t in ray_trials.trials
+               for df in [ray_trials.trial_dataframes[t.trial_id]]}
+    best = max(ray_trials.trials, key=lambda t: trained[t.trial_id])
     assert s["best_trial"]["trial_id"] == best.trial_id
-    best_val = max(ray_trials.trial_dataframes[best.trial_id]["val/overall"])
+    best_val = trained[best.trial_id]
     assert s["best_trial"]["val"]["val/overall"] == pytest.approx(best_val)
     assert s["best_trial"]["searched"] == {k: best.config[k] for k in ("lr", "dropout",
                                                                        "batch_size")}
-    # the best checkpoint is a checkpoint Ray kept, and it scored the best value
+    # the best checkpoint is a checkpoint Ray kept, and it scored the best value; with
+    # --keep-checkpoints best (the default) its training state was removed at the end
     ckpt = Path(s["best_trial"]["checkpoint"])
-    assert ckpt.is_dir() and (ckpt / "state.pt").is_file()
+    assert ckpt.is_dir() and not (ckpt / "state.pt").exists()
     assert json.loads((ckpt / "metrics.json").read_text())["val/overall"] == pytest.approx(best_val)
     ranked = [t["best_val_overall"] for t in s["trials"] if t["best_val_overall"] is not None]
     assert max(ranked) == pytest.approx(best_val)
@@ -203,7 +252,9 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
             assert len(client.get_metric_history(run.info.run_id, key)) == len(df)
         assert "time/entered_at" not in run.data.metrics  # a clock reading, Ray only
         # the time breakdown as Ray got it: training and scoring inside the trial's own clock
-        assert (df["time/train_s"] > 0).all() and (df["time/eval_s"] > 0).all()
+        # (the first evaluation is at 0 examples: the start, before any training)
+        assert df["examples_seen"].iloc[0] == 0 and df["time/train_s"].iloc[0] == 0
+        assert (df["time/train_s"].iloc[1:] > 0).all() and (df["time/eval_s"] > 0).all()
         assert (df["time/startup_s"] >= df["time/setup_s"]).all()
         assert (df["time/train_s"] + df["time/eval_s"] <= df["time_total_s"]).all()
         assert (df["time/entered_at"] <= df["timestamp"] + 1).all()

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy (default): Caruana selection with replacement on val of the "
                         "top-k, combined by weighted mode (SST, QQP) / median (STS); vote: "
                         "all top-k with equal weight")
+    p.add_argument("--keep-checkpoints", default="best", choices=["best", "all", "none"],
+                   help="what a finished search keeps: best (default): the weights of the "
+                        "best trial and the ensemble members in EXPERIMENT/models (safetensors), "
+                        "no training states; all: every trial's 2 best checkpoints and its "
+                        "latest, as training states; none: no weights. An interrupted search "
+                        "keeps everything --resume needs")
     p.add_argument("--max-failures", type=int, default=2,
                    help="retries of a trial whose worker died, from its last checkpoint")
     p.add_argument("--address",

@@ -22,6 +22,7 @@ from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
+from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
 from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
@@ -168,6 +169,10 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         log_ensemble_run(tracker, f"{settings.experiment}-ensemble", ensemble, settings.top_k,
                          exp_dir / "ensemble" / "predictions", data.split("sst", "val").labels)
     log_search_metrics(tracker, parent_run, summary)
+    complete = not summary.interrupted and not summary.counts.not_started
+    if complete and settings.keep_checkpoints != "all":
+        summary = keep_what_was_asked(settings, summary,
+                                      {r.trial_id: r.best_checkpoint for r in finalists})
     summary = dataclasses.replace(summary, mlflow=dataclasses.replace(
         summary.mlflow, ensemble_run_id=tracker.state.get("ensemble_run_id")))
     if location.exp_uri:  # name where the files live for users: the URI, not the staging copy

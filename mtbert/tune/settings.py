@@ -58,6 +58,7 @@ class SearchSettings:
     gpus_per_trial: float | None    # None: chosen from the cluster (with_resources)
     max_concurrent: int | None
     ensemble: str
+    keep_checkpoints: str            # best | all | none (retention.py)
     max_failures: int
     address: str | None
     mlflow_fallback_local: bool
@@ -92,6 +93,7 @@ class SearchSettings:
                 "storage_path": self.location.ray_storage, "experiment": self.experiment,
                 "mlflow_uri": self.mlflow_uri, "mlflow_fallback_local": self.mlflow_fallback_local,
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
+                "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
                 "resume": self.resume}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
@@ -163,6 +165,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         resume=bool(args.resume), search_alg=args.search_alg, scheduler=args.scheduler,
         seed=args.seed, cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
+        keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
         mlflow_fallback_local=bool(args.mlflow_fallback_local))
 
@@ -196,6 +199,11 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
         raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
                           f"(no {SETTINGS_FILE})")
     saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}")
+    from mtbert.tune.retention import PRUNED_FILE
+    if where.read(PRUNED_FILE) is not None:
+        raise ConfigError(f"--resume: {where.ray_experiment} finished and its training states "
+                          f"were removed (--keep-checkpoints {saved['args'].get('keep_checkpoints')}"
+                          "): nothing to resume; start a new search with another --experiment")
     # the original settings win: the data, space and budget must not drift
     for key, value in saved["args"].items():
         if key not in _RESUME_OWN:

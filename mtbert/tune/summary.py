@@ -86,6 +86,7 @@ class BestTrial:
     checkpoint: str | None
     mlflow_run_id: str | None
     predictions: str
+    model: str | None = None         # its exported weights (--keep-checkpoints best)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class SearchSummary:
     importances: dict[str, dict[str, float]]
     report_files: dict[str, str]
     mlflow: MlflowRefs
+    keep_checkpoints: str = "all"
+    models: dict[str, str] = dataclasses.field(default_factory=dict)  # trial id -> folder
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,8 +159,10 @@ class SearchSummary:
         trials = [dataclasses.replace(t, best_checkpoint=stored.get(t.trial_id,
                                                                     t.best_checkpoint))
                   if t.best_checkpoint else t for t in self.trials]
+        best = best and dataclasses.replace(best, model=public(best.model))
         return dataclasses.replace(
             self, experiment_dir=public(self.experiment_dir), best_trial=best,
+            models={k: public(v) for k, v in self.models.items()},
             ensemble=ensemble, trials=trials,
             report_files={k: public(v) for k, v in self.report_files.items()})
 
@@ -269,6 +274,12 @@ def _markdown(s: SearchSummary) -> str:
         if values and "_error" not in values:
             lines += ["", f"## Importances ({name})", ""]
             lines += [f"- {k}: {v:.3f}" for k, v in values.items()]
+    if s.models:
+        lines += ["", f"Weights kept (`--keep-checkpoints {s.keep_checkpoints}`; load with "
+                  "`mtbert.model_files.load_model(FOLDER)`): "
+                  + ", ".join(f"{tid} in `{path}`" for tid, path in s.models.items()) + "."]
+    elif s.keep_checkpoints == "none":
+        lines += ["", "No weights kept (`--keep-checkpoints none`)."]
     errors = [t for t in s.trials if t.status == TrialStatus.ERROR]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {t.trial_id}: {t.error}" for t in errors]
