@@ -20,10 +20,10 @@ a retry fails at once instead of training again into the same NaN.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,19 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
         raise
 
 
+def _wait_for_the_actor_to_exit(work: Path) -> None:
+    """Tune stopped this trial (ASHA): ``tune.report`` raised SystemExit(0) in this thread
+    (Ray's runner thread), and Ray ends the actor's process now without waiting for it.
+    Unwinding from here would free the model's tensors while the interpreter shuts down:
+    a thread taking the GIL back during ``Py_Finalize`` is ended by ``pthread_exit``, whose
+    forced unwind through libtorch's C++ frames calls ``std::terminate`` -- the SIGABRT
+    and backtrace seen in smoke searches (traced in ``THPVariable_dealloc``).  So nothing
+    is freed: the work folder goes (plain file calls), and the thread waits, holding
+    everything, until the process is gone."""
+    shutil.rmtree(work, ignore_errors=True)
+    threading.Event().wait()
+
+
 def _mark_failed(marker: Path, reason: str) -> None:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -138,8 +151,14 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         timing = {"time/entered_at": entered_at, **startup,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
-        tune.report({**ray_metrics(metrics, trainer.history), **timing, "node_id": node_id},
-                    checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+        try:
+            tune.report({**ray_metrics(metrics, trainer.history), **timing,
+                         "node_id": node_id},
+                        checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+            _wait_for_the_actor_to_exit(work)
 
     try:
         checkpoint = tune.get_checkpoint()
@@ -151,27 +170,6 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
-        stopped = _fit_until_stopped(trainer)
+        trainer.fit()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if stopped:
-        # Tune stopped the trial (ASHA): its report raised SystemExit(0) in this, Ray's
-        # runner thread, and the actor exits right after.  The model, optimizer and data
-        # are freed here instead of with that exception's traceback while the
-        # interpreter shuts down (C++ destructors racing the exit: SIGABRT); a fresh
-        # SystemExit(0) ends the runner thread quietly.
-        trainer = None
-        gc.collect()
-        raise SystemExit(0)
-
-
-def _fit_until_stopped(trainer) -> bool:
-    """Train; True if Tune stopped the trial (its report raised SystemExit(0)).  The
-    exception and its traceback (which holds the trainer) are gone on return."""
-    try:
-        trainer.fit()
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
-        return True
-    return False
