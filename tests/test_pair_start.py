@@ -172,7 +172,7 @@ def test_head_learning_rate_groups(tiny_config, tiny_data, tmp_path, mult):
     # one step on a super-batch of the three tasks: Adam's first update is lr·g/(|g| + eps)
     # ≈ lr per weight with a clear gradient, so the heads move mult times as far as the encoder
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer._train_group(("sst", "qqp", "sts"))
+    trainer._train_batches(trainer._next_batches(("sst", "qqp", "sts")))
     assert trainer.optimizer_steps == 1
 
     def median_step(names_in):

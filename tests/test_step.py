@@ -96,7 +96,7 @@ def test_nan_run_stops_at_the_next_evaluation_naming_its_first_bad_step(tiny_con
     run and names the first NaN step: SST's 54 rows trained first (sequential schedule),
     then one finite QQP batch of 8, so the NaN came at 62 examples."""
     cfg = tiny_config(schedule="sequential", loss_weighting="fixed", w_qqp=1e39,
-                      eval_every=100, eval_dev=False)
+                      eval_every=100, eval_dev=False, eval_at_start=False)
     reports = []
     trainer = Trainer(cfg, load_data(cfg), tmp_path, report=lambda m, d: reports.append(m))
     with pytest.raises(NonFiniteLossError) as failure:
@@ -110,7 +110,7 @@ def test_nan_run_stops_at_the_next_evaluation_naming_its_first_bad_step(tiny_con
 
 
 def test_checkpoints_only_where_read(tiny_config, tmp_path):
-    cfg = tiny_config(eval_every=100, eval_dev=False, max_examples=200)
+    cfg = tiny_config(eval_every=100, eval_dev=False, max_examples=200, eval_at_start=False)
     data = load_data(cfg)
     Trainer(cfg, data, tmp_path / "none", checkpoints=False).fit()
     assert not (tmp_path / "none" / "checkpoint").exists()
