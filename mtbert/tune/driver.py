@@ -20,15 +20,15 @@ from mtbert.tune import finalists as fin
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
 from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
+from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
+                                        log_trial_results, runs_view_key, share_runs_view,
+                                        ui_links)
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
 from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
-from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
-                                        log_trial_results, runs_view_key, share_runs_view,
-                                        ui_links)
 from mtbert.tune.tracking import SearchTracker
 
 
