@@ -276,12 +276,12 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
     device: CUDA where there is one (unless ``--gpus-per-trial 0``), else the CPU.  (On a
     remote cluster the workers' machines decide; a trial whose mode cannot run there
     fails with the reason.)"""
-    import torch
-
-    from mtbert.trainer import check_compile_mode
     param = space.params.get("compile")
     if param is None:
         return
+    import torch
+
+    from mtbert.trainer import check_compile_mode
     modes = set(param.choices) if param.searched else {param.value}
     cuda = gpus_per_trial != 0 and torch.cuda.is_available()
     for mode in sorted(modes):
