@@ -1,11 +1,12 @@
 """What a finished search keeps (``--keep-checkpoints``).
 
-While a search runs, each trial keeps what a restart needs (its latest training state)
-and what ranking needs (its best): Ray's ``num_to_keep`` best checkpoints by the
-objective, and always its latest.  ``best`` and ``none`` keep 1 best, ``all`` 2 (as
-before this option).  When a search has ended with every trial done (never after
-Ctrl-C or a crash: ``--resume`` needs the states) and its ensemble and predictions are
-written:
+While a search runs, each trial keeps its 2 best checkpoints by the objective and its
+latest, whatever the choice: keeping only 1 best made ``--resume`` after a driver crash
+fail (measured: a clean-clone CI run) -- Ray's last experiment snapshot may name a
+checkpoint that a newer report has since displaced, and a trial restored from a
+deleted checkpoint errors; a second kept checkpoint narrows that window.  When a search
+has ended with every trial done (never after Ctrl-C or a crash: ``--resume`` needs the
+states) and its ensemble and predictions are written:
 
 * ``best`` (default): the weights of the best trial and of each ensemble member, from
   their best checkpoints, go to ``<experiment>/models/<trial id>/``
@@ -27,11 +28,6 @@ KEEP_CHOICES = ("best", "all", "none")
 MODELS_DIR = "models"
 PRUNED_FILE = "mtbert_pruned.json"
 STATE_FILE = "state.pt"
-
-
-def checkpoints_to_keep(keep: str) -> int:
-    """Ray's ``CheckpointConfig(num_to_keep=...)`` (it always keeps the latest as well)."""
-    return 2 if keep == "all" else 1
 
 
 def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:

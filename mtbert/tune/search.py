@@ -4,8 +4,8 @@
   behind a ``ConcurrencyLimiter``, or Ray's random search;
 * scheduler: ASHA (Li et al. 2020) on examples seen -- stops the weak trials at the
   budget's rungs -- or FIFO (every trial trains its whole budget);
-* each trial keeps its best checkpoints by the objective and its latest (retention.py);
-  a trial whose worker died
+* each trial keeps its 2 best checkpoints by the objective and its latest (what a
+  finished search keeps: retention.py); a trial whose worker died
   is retried from its last checkpoint (``FailureConfig``).
 """
 
@@ -16,7 +16,6 @@ from typing import Any
 
 from mtbert.tune.budgets import Budget
 from mtbert.tune.records import MODE, OBJECTIVE
-from mtbert.tune.retention import checkpoints_to_keep
 
 
 def trial_name(trial) -> str:
@@ -66,8 +65,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
         run_config=tune.RunConfig(
             name=settings.experiment, storage_path=location.ray_storage,
             checkpoint_config=tune.CheckpointConfig(
-                num_to_keep=checkpoints_to_keep(settings.keep_checkpoints),
-                checkpoint_score_attribute=OBJECTIVE,
+                num_to_keep=2, checkpoint_score_attribute=OBJECTIVE,
                 checkpoint_score_order=MODE),
             failure_config=tune.FailureConfig(max_failures=settings.max_failures),
             callbacks=callbacks))
