@@ -47,7 +47,7 @@ from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.tasks import TASK_NAMES, TASKS
 
-ReportFn = Callable[[dict, str], None]
+ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
 CHECKPOINT_FILE = "state.pt"
 
 
@@ -404,9 +404,14 @@ class Trainer:
         self.evaluations += 1
         self.history.append(metrics)
         # a checkpoint only where it is read: by the report callback (Ray persists it and
-        # resumes from it) or by a later resume of this out_dir (`--resume`)
+        # resumes from it) or by a later resume of this out_dir (`--resume`).  Not the
+        # 0-example evaluation's for a report callback: nothing resumes from or ranks an
+        # untrained model, and each checkpoint Ray keeps and later deletes is one more
+        # that a search restored after a driver crash can find gone
+        reported_start = self.report is not None and self.examples_seen == 0
         checkpoint_dir = (self.save_checkpoint(metrics)
-                          if self.checkpoints or self.report is not None else None)
+                          if (self.checkpoints or self.report is not None)
+                          and not reported_start else None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "history.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(scalar_metrics(metrics)) + "\n")
@@ -414,7 +419,7 @@ class Trainer:
                  f"{metrics['val/overall']:.4f} (sst {metrics['val/sst_acc']:.3f}, "
                  f"qqp {metrics['val/qqp_acc']:.3f}, sts {metrics['val/sts_corr']:.3f})")
         if self.report is not None:
-            self.report(metrics, str(checkpoint_dir))
+            self.report(metrics, None if checkpoint_dir is None else str(checkpoint_dir))
         # checkpoint writing and the report (Ray copies the checkpoint to storage there);
         # the figure sent with this report covers the evaluations before it
         self.timings["checkpoint_s"] += time.perf_counter() - saving_started

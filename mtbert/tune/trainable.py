@@ -146,7 +146,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
 
     startup: dict[str, float] = {}
 
-    def report(metrics: dict, checkpoint_dir: str) -> None:
+    def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
         timing = {"time/entered_at": entered_at, **startup,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
@@ -154,7 +154,8 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         try:
             tune.report({**ray_metrics(metrics, trainer.history), **timing,
                          "node_id": node_id},
-                        checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+                        checkpoint=(tune.Checkpoint.from_directory(checkpoint_dir)
+                                    if checkpoint_dir else None))
         except SystemExit as exc:
             if exc.code not in (0, None):
                 raise
