@@ -15,6 +15,7 @@ import sys
 from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import MtbertError
 from mtbert.tune.budgets import BUDGETS
+from mtbert.tune.retention import KEEP_CHOICES
 from mtbert.tune.spaces import list_spaces
 
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy (default): Caruana selection with replacement on val of the "
                         "top-k, combined by weighted mode (SST, QQP) / median (STS); vote: "
                         "all top-k with equal weight")
-    p.add_argument("--keep-checkpoints", default="best", choices=["best", "all", "none"],
+    p.add_argument("--keep-checkpoints", default="best", choices=KEEP_CHOICES,
                    help="what a finished search keeps: best (default): the weights of the "
                         "best trial and the ensemble members in EXPERIMENT/models (safetensors), "
                         "no training states; all: every trial's 2 best checkpoints and its "

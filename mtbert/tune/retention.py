@@ -27,7 +27,6 @@ from mtbert.tune.location import STAGED_CHECKPOINTS, ExperimentLocation
 KEEP_CHOICES = ("best", "all", "none")
 MODELS_DIR = "models"
 PRUNED_FILE = "mtbert_pruned.json"
-STATE_FILE = "state.pt"
 
 
 def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:
@@ -44,6 +43,8 @@ def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:
 def remove_training_states(location: ExperimentLocation) -> tuple[int, int]:
     """Delete every ``state.pt`` of the experiment (local folder or URI); (files, bytes)."""
     import pyarrow.fs
+
+    from mtbert.trainer import CHECKPOINT_FILE as STATE_FILE
     from mtbert.tune.location import filesystem
     if location.exp_uri:
         fs, root = filesystem(location.exp_uri)
