@@ -104,3 +104,20 @@ def test_a_restored_trial_takes_its_configs_lr(tiny_config, tmp_path):
     assert lrs["heads"] == pytest.approx(3e-3)  # the head multiplier applies to the new lr
     history = reported_lrs(mutated, tmp_path / "c", resume_from=tmp_path / "a" / "checkpoint")
     assert history[96] == pytest.approx(3e-4) and history[160] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("name", ["small", "medium", "full"])
+def test_every_budget_judges_its_rungs_at_the_full_lr(tiny_config, name):
+    """Under each budget's trial fields the warm-up ends before the first rung and no
+    rung before the last is inside the decay: every trial is judged at the same LR."""
+    from mtbert.tune.budgets import get_budget
+    budget = get_budget(name).resolved(28_091)  # all the training rows (full)
+    cfg = tiny_config(lr=1e-3, batch_size=32, **budget.trial_fields())
+    assert cfg.lr_schedule == "wsd" and 0 < cfg.warmup_examples < budget.grace_period
+    total_steps = budget.max_examples // 32
+    lrs = lrs_over(cfg, total_steps, 32)
+    rungs = budget.rungs()
+    assert len(rungs) >= 2
+    for rung in rungs[:-1] if rungs[-1] >= budget.max_examples else rungs:
+        assert lrs[rung // 32] == pytest.approx(1e-3), rung
+    assert lrs[-1] < 1e-3 * cfg.decay_ratio  # the trials that reach the budget decay
