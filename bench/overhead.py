@@ -189,11 +189,12 @@ def print_checkpoint_table(rows: list[dict]) -> None:
           "[background: Ray's copy + driver], training-thread stall per report; share = "
           "stall x checkpoints / training time at 5,000 ex/s, projected from these figures):")
     cols = ("checkpoints", "mib", "write_s", "report_s", "stall_s", "stall_share_at_gpu_speed")
-    print(f"{'trial':<28}" + "".join(f"{c.replace('_at_gpu_speed', '@gpu'):>13}" for c in cols))
-    fmt = lambda v: f"{'-':>13}" if v is None else f"{v:>13.3f}"  # noqa: E731
+    names = ("checkpoints", "MiB", "write s", "report s", "stall s", "stall/gpu-train")
+    print(f"{'trial':<28}" + "".join(f"{c:>16}" for c in names))
+    fmt = lambda v: f"{'-':>16}" if v is None else f"{v:>16.3f}"  # noqa: E731
     for r in rows:
         f = r["per_checkpoint"]
-        print(f"{r['trial'][:27]:<28}{f['checkpoints']:>13}" + "".join(fmt(f[c]) for c in cols[1:]))
+        print(f"{r['trial'][:27]:<28}{f['checkpoints']:>16}" + "".join(fmt(f[c]) for c in cols[1:]))
 
 
 def cpu_breakdown(sampler: CpuSampler, trial_pids: set[int], start: float, end: float,
