@@ -307,14 +307,14 @@ class Trainer:
                     self._evaluate_and_report()
         if not self.history or self.history[-1]["examples_seen"] != self.examples_seen:
             self._evaluate_and_report()
+        final = dict(self.history[-1])
+        self.write_predictions("val", self._last_val_predictions)
+        if cfg.eval_dev:  # while the last checkpoint is written
+            final.update(self.evaluate("dev", write_predictions=True))
+            self.predict_test()
         waited = time.perf_counter()
         self.checkpoint_writer.wait()  # the last checkpoint is written and reported
         self.timings["checkpoint_s"] += time.perf_counter() - waited
-        final = dict(self.history[-1])
-        self.write_predictions("val", self._last_val_predictions)
-        if cfg.eval_dev:
-            final.update(self.evaluate("dev", write_predictions=True))
-            self.predict_test()
         atomic_write_json(self.out_dir / "metrics.json", final)
         return final
 
