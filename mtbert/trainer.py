@@ -564,9 +564,9 @@ class Trainer:
             if self.regulariser is not None and state["regulariser"]:
                 self.regulariser.load_state_dict(state["regulariser"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+            holder = HEADS_FILE if part == "model" else CHECKPOINT_FILE
             raise state_mismatch(checkpoint_dir, self.cfg, part, exc,
-                                 checkpoint_dir / (HEADS_FILE if part == "model" else CHECKPOINT_FILE)
-                                 ) from None
+                                 checkpoint_dir / holder) from None
         try:
             for t, b in self.batchers.items():
                 b.load_state_dict(state["batchers"][t])

@@ -91,7 +91,8 @@ def load_tensors(path: Path, device: torch.device | str = "cpu",
     restored as the same tensor); a missing or damaged file is a DataError naming it."""
     from safetensors import safe_open
     if not path.is_file():
-        older = (path.parent.parent if path.parent.name == ENCODER_DIR else path.parent) / STATE_FILE
+        folder = path.parent.parent if path.parent.name == ENCODER_DIR else path.parent
+        older = folder / STATE_FILE
         hint = (" (a checkpoint written before the weights were stored apart from state.pt "
                 "cannot be read by this version: train again)" if older.is_file() else "")
         raise DataError(f"{path}: missing{hint}; {expected}", path=str(path))
