@@ -15,8 +15,20 @@ every process's CPU time (psutil, every ``--sample-s``). Afterwards, per trial:
   batchers; ``time/startup_s`` reported by the trainable);
 * ``train``, ``eval`` -- time inside training steps / validation scoring (the
   trainer's ``time/train_s``, ``time/eval_s``);
-* ``ckpt``    -- checkpoint writing and ``tune.report`` (Ray copies the checkpoint);
-* ``rest``    -- the remainder up to the end of the actor's last task (stop, teardown).
+* ``ckpt``    -- what checkpoints and reports cost the training thread (``time/checkpoint_s``:
+  the snapshot to host memory and any wait for the previous checkpoint; the checkpoint
+  is written and handed to ``tune.report``, where Ray copies it, on a background thread);
+* ``rest``    -- the remainder up to the end of the actor's last task (stop, teardown;
+  it holds the wait for the last checkpoint, which nothing can overlap).
+
+Per checkpoint (second table): how many each trial wrote, MiB written per checkpoint
+(``checkpoint_bytes``), seconds writing one (``time/checkpoint_write_s``, background),
+seconds per report (``time/report_s``: Ray's copy to storage and the driver's round trip,
+background) and the training thread's stall per report; and that stall as a share of
+the trial's training time at the GPU target speed (5,000 examples/s, issue 11): a
+projection from these CPU figures, not a GPU measurement.  Reports count the
+checkpoints before them, so the last checkpoint's report and stall are not in these
+figures (its write is).
 
 Share = (train + eval) / wall per trial (target >= 90 %), and over all trials. Machine
 CPU: the CPU seconds of the trial actors, of Ray's own processes, of the driver and of
@@ -141,14 +153,48 @@ def trial_table(results: dict[str, list[dict]], actors: dict[int, dict]) -> list
                  "train": last["time/train_s"], "eval": last["time/eval_s"],
                  "ckpt": last["time/checkpoint_s"]}
         parts["rest"] = wall - sum(parts.values())
+        checkpoints = sum(1 for r in reports if r.get("checkpoint_dir_name"))
         rows.append({"trial": name, "examples": last.get("examples_seen"),
-                     "reports": len(reports), "wall_s": wall, **{f"{k}_s": v for k, v in
-                                                                  parts.items()},
+                     "reports": len(reports), "checkpoints": checkpoints,
+                     "checkpoint_bytes": last.get("checkpoint_bytes"),
+                     "checkpoint_write_s": last.get("time/checkpoint_write_s"),
+                     "report_s": last.get("time/report_s"),
+                     "wall_s": wall, **{f"{k}_s": v for k, v in parts.items()},
                      "setup_s": last["time/setup_s"], "cpu_s": last.get("time/cpu_s"),
                      "pid": int(last["pid"]), "requested_at": actor["requested"],
                      "ended_at": end,
                      "share": (parts["train"] + parts["eval"]) / wall if wall > 0 else None})
     return rows
+
+
+GPU_TARGET_EXAMPLES_PER_S = 5000
+
+
+def checkpoint_figures(row: dict) -> dict:
+    """Per-checkpoint figures of one trial row (None where the trainer did not report
+    them: a trainer from before checkpoints were written in the background)."""
+    written = row["checkpoints"] or 0
+    earlier = max(row["reports"] - 1, 1)  # the reports the last report's figures cover
+    per = lambda v, n: None if v is None or not n else v / n  # noqa: E731
+    stall = row["ckpt_s"] / earlier
+    gpu_train_s = (row["examples"] or 0) / GPU_TARGET_EXAMPLES_PER_S
+    return {"checkpoints": written, "mib": per(row["checkpoint_bytes"], written * 2**20),
+            "write_s": per(row["checkpoint_write_s"], written),
+            "report_s": per(row["report_s"], earlier), "stall_s": stall,
+            "stall_share_at_gpu_speed": (stall * written / gpu_train_s if gpu_train_s else None)}
+
+
+def print_checkpoint_table(rows: list[dict]) -> None:
+    print("\nper checkpoint (MiB written, seconds writing [background], per report "
+          "[background: Ray's copy + driver], training-thread stall per report; share = "
+          "stall x checkpoints / training time at 5,000 ex/s, projected from these figures):")
+    cols = ("checkpoints", "mib", "write_s", "report_s", "stall_s", "stall_share_at_gpu_speed")
+    names = ("checkpoints", "MiB", "write s", "report s", "stall s", "stall/gpu-train")
+    print(f"{'trial':<28}" + "".join(f"{c:>16}" for c in names))
+    fmt = lambda v: f"{'-':>16}" if v is None else f"{v:>16.3f}"  # noqa: E731
+    for r in rows:
+        f = r["per_checkpoint"]
+        print(f"{r['trial'][:27]:<28}{f['checkpoints']:>16}" + "".join(fmt(f[c]) for c in cols[1:]))
 
 
 def cpu_breakdown(sampler: CpuSampler, trial_pids: set[int], start: float, end: float,
@@ -221,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("error: no trial timings found (Ray task table empty?)", file=sys.stderr)
         return 1
+    for r in rows:
+        r["per_checkpoint"] = checkpoint_figures(r)
     start = min(r["requested_at"] for r in rows)
     end = max(r["ended_at"] for r in rows)
     cpu = cpu_breakdown(sampler, {r["pid"] for r in rows}, start, end, cpus)
@@ -245,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"{r[c]:>9.1f}" for c in cols) + f"{100 * r['share']:>7.1f}%")
     print(f"median trial share {100 * summary['share_per_trial_median']:.1f}% "
           f"(min {100 * summary['share_per_trial_min']:.1f}%; target >= 90%)")
+    print_checkpoint_table(rows)
     g = cpu["cpu_s"]
     cap = cpus * cpu["search_wall_s"]
     print(f"\nmachine CPU over the search phase ({cpu['search_wall_s']:.0f} s x {cpus} CPUs "

@@ -5,8 +5,10 @@ beside it, the config that built them.
     FOLDER/heads.safetensors everything outside the encoder (task heads, pair layer, maps)
     FOLDER/config.yaml       the TrainConfig it was trained with
 
-:func:`export_model` writes it from a training checkpoint; :func:`load_model` builds the
-trainer's :class:`~mtbert.model.MultitaskModel` from it (what ``predict_split`` takes).
+:func:`export_model` writes it from a model in memory, :func:`export_checkpoint` from a
+training checkpoint, whose weight files have this layout (:mod:`mtbert.training_state`):
+a file copy; :func:`load_model` builds the trainer's :class:`~mtbert.model.MultitaskModel`
+from it (what ``predict_split`` takes).
 """
 
 from __future__ import annotations
@@ -26,23 +28,38 @@ CONFIG_FILE = "config.yaml"
 
 def export_model(model: MultitaskModel, cfg: TrainConfig, folder: str | Path) -> Path:
     """Write ``model`` (trained under ``cfg``) to ``folder`` as described above."""
-    from safetensors.torch import save_file
-
-    from mtbert.pretrained import load_tokenizer
+    from mtbert.training_state import encoder_config_json, write_weights
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.encoder.save_pretrained(folder / ENCODER_DIR)  # safetensors
+    write_weights(folder, model.state_dict(), encoder_config_json(model.encoder))
+    return _add_tokenizer_and_config(folder, cfg)
+
+
+def export_checkpoint(checkpoint_dir: str | Path, folder: str | Path) -> Path:
+    """Copy the weights of a training checkpoint (``Trainer.save_checkpoint``) to
+    ``folder`` as described above: its weight files as they are, no optimizer state."""
+    import shutil
+
+    from mtbert.training_state import WEIGHT_FILES, load_tensors
+    checkpoint_dir, folder = Path(checkpoint_dir), Path(folder)
+    cfg = TrainConfig.from_yaml(checkpoint_dir / CONFIG_FILE)
+    for name in WEIGHT_FILES:
+        if not (checkpoint_dir / name).is_file():
+            load_tensors(checkpoint_dir / name)  # the DataError naming the missing file
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(checkpoint_dir / name, folder / name)
+    return _add_tokenizer_and_config(folder, cfg)
+
+
+def _add_tokenizer_and_config(folder: Path, cfg: TrainConfig) -> Path:
+    from mtbert.pretrained import load_tokenizer
     load_tokenizer(cfg.model).save_pretrained(folder / ENCODER_DIR)
-    heads = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-             if not k.startswith("encoder.")}
-    save_file(heads, str(folder / HEADS_FILE))
     (folder / CONFIG_FILE).write_text(cfg.to_yaml(), encoding="utf-8")
     return folder
 
 
 def load_model(folder: str | Path, device: str = "cpu") -> tuple[TrainConfig, MultitaskModel]:
     """The config and model of an exported folder, in eval mode on ``device``."""
-    from safetensors.torch import load_file
+    from mtbert.training_state import load_tensors
     folder = Path(folder)
     if not (folder / HEADS_FILE).is_file():
         raise ConfigError(f"{folder}: not an exported model (no {HEADS_FILE})")
@@ -50,8 +67,8 @@ def load_model(folder: str | Path, device: str = "cpu") -> tuple[TrainConfig, Mu
     cfg = TrainConfig.from_dict({**saved.to_dict(), "model": str(folder / ENCODER_DIR)},
                                 source=str(folder / CONFIG_FILE))
     model = MultitaskModel.from_config(cfg)
-    missing, unexpected = model.load_state_dict(load_file(str(folder / HEADS_FILE)),
-                                                strict=False)
+    heads = load_tensors(folder / HEADS_FILE, expected="expected an exported model's heads")
+    missing, unexpected = model.load_state_dict(heads, strict=False)
     if unexpected or any(not k.startswith("encoder.") for k in missing):
         raise ConfigError(f"{folder / HEADS_FILE}: does not fit the model of "
                           f"{folder / CONFIG_FILE} (missing {missing[:3]}, unexpected "

@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         resume_from = None
         if args.resume:
             resume_from = out / "checkpoint"
-            if not (resume_from / "state.pt").is_file():
+            if not (resume_from / "state.pt").is_file():  # training_state.STATE_FILE
                 raise MtbertError(f"--resume: no checkpoint in {resume_from}")
         from mtbert.data import load_data  # heavy imports after the cheap checks
         from mtbert.pretrained import check_model
-        from mtbert.trainer import Trainer, check_training_state
+        from mtbert.trainer import Trainer
+        from mtbert.training_state import check_checkpoint
         if resume_from is not None:
-            check_training_state(resume_from / "state.pt")
+            check_checkpoint(resume_from)
         check_model(cfg.model)
         data = load_data(cfg)
         trainer = Trainer(cfg, data, out, resume_from=resume_from)

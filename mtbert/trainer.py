@@ -24,10 +24,8 @@ stops a diverged run there with the task, examples and lr of its first bad step.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
-import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -46,9 +44,13 @@ from mtbert.model import MultitaskModel
 from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.tasks import TASK_NAMES, TASKS
+from mtbert.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, CheckpointWriter,
+                                   HostCopy, encoder_config_json, folder_bytes,
+                                   read_training_state, read_weights, write_checkpoint_folder,
+                                   write_weights)
 
 ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
-CHECKPOINT_FILE = "state.pt"
+CHECKPOINT_FILE = STATE_FILE  # the training state beside the weights (training_state)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -193,6 +195,10 @@ class Trainer:
         # setup = model load, pre-training stage, optimizer, batchers, checkpoint restore
         self.timings = {"setup_s": time.perf_counter() - setup_started, "train_s": 0.0,
                         "eval_s": 0.0, "checkpoint_s": 0.0}
+        # checkpoints are written (and reported) on a background thread; its figures
+        self.checkpoint_writer = CheckpointWriter()
+        self.checkpoint_stats = {"checkpoints_written": 0, "checkpoint_bytes": 0,
+                                 "checkpoint_write_s": 0.0, "report_s": 0.0}
 
     # ------------------------------------------------------------------ setup
     def _prepare_fresh_model(self) -> None:
@@ -269,6 +275,14 @@ class Trainer:
         self._examples_at_start = self.examples_seen
         self.log(f"[mtbert] device={self.device} schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
+        try:
+            return self._fit()
+        except BaseException:
+            self.checkpoint_writer.close()  # a checkpoint being written is finished first
+            raise
+
+    def _fit(self) -> dict:
+        cfg = self.cfg
         if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
             self._evaluate_and_report()  # where training starts from (not on resume)
         done = self._budget_spent()
@@ -279,6 +293,7 @@ class Trainer:
                 self._train_batches(self._next_batches(plan[self.step_in_epoch]))
                 self.timings["train_s"] += time.perf_counter() - step_started
                 self.step_in_epoch += 1
+                self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
                 self._maybe_log()
                 if cfg.eval_every and self.examples_seen >= self.next_eval:
                     self.next_eval = next_eval_point(self.examples_seen, cfg.eval_every,
@@ -296,9 +311,12 @@ class Trainer:
             self._evaluate_and_report()
         final = dict(self.history[-1])
         self.write_predictions("val", self._last_val_predictions)
-        if cfg.eval_dev:
+        if cfg.eval_dev:  # while the last checkpoint is written
             final.update(self.evaluate("dev", write_predictions=True))
             self.predict_test()
+        waited = time.perf_counter()
+        self.checkpoint_writer.wait()  # the last checkpoint is written and reported
+        self.timings["checkpoint_s"] += time.perf_counter() - waited
         atomic_write_json(self.out_dir / "metrics.json", final)
         return final
 
@@ -391,6 +409,9 @@ class Trainer:
         metrics = self.evaluate("val")
         saving_started = time.perf_counter()
         self.timings["eval_s"] += saving_started - eval_started
+        # the previous evaluation's checkpoint is written and reported before this one is
+        # recorded (its report reads the history up to itself)
+        self.checkpoint_writer.wait()
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics.update({
             "examples_seen": self.examples_seen, "epoch": self.epoch,
@@ -411,19 +432,20 @@ class Trainer:
         # untrained model, and each checkpoint Ray keeps and later deletes is one more
         # that a search restored after a driver crash can find gone
         reported_start = self.report is not None and self.examples_seen == 0
-        checkpoint_dir = (self.save_checkpoint(metrics)
-                          if (self.checkpoints or self.report is not None)
-                          and not reported_start else None)
+        write = (self._checkpoint_job(metrics)  # the snapshot: host copies, taken now
+                 if (self.checkpoints or self.report is not None) and not reported_start
+                 else None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "history.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(scalar_metrics(metrics)) + "\n")
         self.log(f"[mtbert] eval @ {self.examples_seen} examples: val overall "
                  f"{metrics['val/overall']:.4f} (sst {metrics['val/sst_acc']:.3f}, "
                  f"qqp {metrics['val/qqp_acc']:.3f}, sts {metrics['val/sts_corr']:.3f})")
-        if self.report is not None:
-            self.report(metrics, None if checkpoint_dir is None else str(checkpoint_dir))
-        # checkpoint writing and the report (Ray copies the checkpoint to storage there);
-        # the figure sent with this report covers the evaluations before it
+        if write is not None or self.report is not None:
+            # written, then reported (Ray copies it to storage there), while training goes on
+            self.checkpoint_writer.submit(lambda: self._write_and_report(write, metrics))
+        # what checkpoints cost the training thread: the snapshot and any wait for the
+        # previous one; the figure sent with this report covers the evaluations before it
         self.timings["checkpoint_s"] += time.perf_counter() - saving_started
 
     def evaluate(self, split_name: str, write_predictions: bool = False) -> dict:
@@ -461,14 +483,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, metrics: dict | None = None) -> Path:
-        """Write ``out_dir/checkpoint`` atomically (tmp folder, then rename)."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        final = self.out_dir / "checkpoint"
-        tmp = self.out_dir / ".checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        state = {
-            "model": self.model.state_dict(),
+        """Write ``out_dir/checkpoint`` now (atomically: tmp folder, then rename)."""
+        return self._checkpoint_job(metrics)()
+
+    def _checkpoint_job(self, metrics: dict | None) -> Callable[[], Path]:
+        """Snapshot the training state now (host copies, :class:`HostCopy`); the returned
+        function writes it to ``out_dir/checkpoint`` (layout: :mod:`mtbert.training_state`)
+        and may run on another thread while training goes on."""
+        if not hasattr(self, "_host_copy"):
+            self._host_copy = HostCopy()
+            self._encoder_config = encoder_config_json(self.model.encoder)
+        snapshot = self._host_copy.copy({"weights": self.model.state_dict(), "state": {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_combiner": self.loss_combiner.state_dict(),
@@ -480,20 +505,45 @@ class Trainer:
                          "evaluations": self.evaluations},
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        torch.save(state, tmp / CHECKPOINT_FILE)
-        (tmp / "config.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
-        atomic_write_json(tmp / "metrics.json", metrics or {})
-        atomic_write_json(tmp / "history.json", [scalar_metrics(m) for m in self.history])
-        if self._last_val_predictions:  # the evaluation this checkpoint belongs to
-            self.write_predictions("val", self._last_val_predictions, tmp / "predictions")
-        old = self.out_dir / ".checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        return final
+        }})
+        config_yaml, encoder_config = self.cfg.to_yaml(), self._encoder_config
+        history = [scalar_metrics(m) for m in self.history]
+        predictions = self._last_val_predictions  # the evaluation this checkpoint belongs to
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+        def fill(tmp: Path) -> None:
+            self._host_copy.ready()
+            write_weights(tmp, snapshot["weights"], encoder_config)
+            torch.save(snapshot["state"], tmp / CHECKPOINT_FILE)
+            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            atomic_write_json(tmp / "metrics.json", metrics or {})
+            atomic_write_json(tmp / "history.json", history)
+            if predictions:
+                self.write_predictions("val", predictions, tmp / "predictions")
+
+        def write() -> Path:
+            started = time.perf_counter()
+            final = write_checkpoint_folder(self.out_dir / "checkpoint", fill)
+            stats = self.checkpoint_stats
+            stats["checkpoints_written"] += 1
+            stats["checkpoint_bytes"] += folder_bytes(final)
+            stats["checkpoint_write_s"] += time.perf_counter() - started
+            return final
+        return write
+
+    def _write_and_report(self, write: Callable[[], Path] | None, metrics: dict) -> None:
+        """A checkpoint job (on the writer thread): write the checkpoint, then report it
+        with the writer's figures so far (bytes, seconds writing and reporting)."""
+        checkpoint_dir = write() if write is not None else None
+        if self.report is not None:
+            stats = self.checkpoint_stats
+            started = time.perf_counter()
+            self.report({**metrics, "checkpoints_written": stats["checkpoints_written"],
+                         "checkpoint_bytes": stats["checkpoint_bytes"],
+                         "time/checkpoint_write_s": stats["checkpoint_write_s"],
+                         "time/report_s": stats["report_s"]},
+                        None if checkpoint_dir is None else str(checkpoint_dir))
+            stats["report_s"] += time.perf_counter() - started
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. A damaged file is a
@@ -502,9 +552,10 @@ class Trainer:
         checkpoint_dir = Path(checkpoint_dir)
         state_file = checkpoint_dir / CHECKPOINT_FILE
         state = read_training_state(state_file, self.device)
+        weights = read_weights(checkpoint_dir, self.device)
         part = "model"
         try:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(weights)
             part = "optimizer"
             self.optimizer.load_state_dict(state["optimizer"])
             part = "LR scheduler"
@@ -516,7 +567,9 @@ class Trainer:
             if self.regulariser is not None and state["regulariser"]:
                 self.regulariser.load_state_dict(state["regulariser"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-            raise state_mismatch(checkpoint_dir, self.cfg, part, exc) from None
+            holder = HEADS_FILE if part == "model" else CHECKPOINT_FILE
+            raise state_mismatch(checkpoint_dir, self.cfg, part, exc,
+                                 checkpoint_dir / holder) from None
         try:
             for t, b in self.batchers.items():
                 b.load_state_dict(state["batchers"][t])
@@ -541,53 +594,17 @@ class Trainer:
             self.history = history
 
 
-#: what every state.pt holds (see Trainer.save_checkpoint)
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "loss_combiner", "regulariser", "batchers",
-              "counters", "torch_rng", "cuda_rng")
-STATE_EXPECTED = "expected a training state written by python -m mtbert.train"
 #: settings that never change the shape of the saved state (a resume may change them)
 RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
                 "eval_dev", "device", "threads", "progress")
 
 
-def check_training_state(path: Path) -> None:
-    """The cheap part of :func:`read_training_state` (no ``torch.load``): ``path`` is a
-    whole torch file -- torch saves a zip archive, so an empty or truncated file (whose
-    zip directory, at the end, is gone) is a :class:`DataError` naming it."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read it ({exc.strerror})", path=str(path)) from None
-    if size == 0:
-        raise DataError(f"{path}: empty file; {STATE_EXPECTED}", path=str(path))
-    if not zipfile.is_zipfile(path):
-        raise DataError(f"{path}: damaged or not a torch file (not a whole zip archive: "
-                        f"truncated?); {STATE_EXPECTED}", path=str(path))
-
-
-def read_training_state(path: Path, device: torch.device | str = "cpu") -> dict:
-    """``torch.load(weights_only=True)`` of a checkpoint's ``state.pt``; an empty,
-    truncated or foreign file is a :class:`DataError` naming it."""
-    check_training_state(path)
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    # a damaged file fails in many ways (the zip reader's RuntimeError, EOFError,
-    # UnpicklingError, KeyError on garbage bytes, ...): each means it cannot be used
-    except Exception as exc:  # noqa: BLE001
-        raise DataError(f"{path}: damaged or not a torch file ({first_line(exc)}); "
-                        f"{STATE_EXPECTED}", path=str(path)) from None
-    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise DataError(f"{path}: not a training state (no {missing[0]!r} entry); "
-                        f"{STATE_EXPECTED}", path=str(path))
-    return state
-
-
-def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str,
-                   exc: BaseException) -> MtbertError:
-    """The error for a checkpoint whose ``part`` state does not fit the run built from
-    ``cfg``: the settings that differ from the checkpoint's ``config.yaml``, if any."""
-    state_file = checkpoint_dir / CHECKPOINT_FILE
+def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str, exc: BaseException,
+                   state_file: Path | None = None) -> MtbertError:
+    """The error for a checkpoint whose ``part`` state (in ``state_file``, default its
+    ``state.pt``) does not fit the run built from ``cfg``: the settings that differ from
+    the checkpoint's ``config.yaml``, if any."""
+    state_file = state_file or checkpoint_dir / CHECKPOINT_FILE
     saved_file = checkpoint_dir / "config.yaml"
     try:
         saved = read_yaml_file(saved_file, "checkpoint config")
@@ -657,9 +674,10 @@ def load_checkpoint_model(checkpoint_dir: str | Path, device: str = "cpu",
         prefer_stable_attention_kernels()
     cfg = TrainConfig.from_yaml(checkpoint_dir / "config.yaml")
     model = MultitaskModel.from_config(cfg)
-    state = read_training_state(checkpoint_dir / CHECKPOINT_FILE, device)
+    weights = read_weights(checkpoint_dir, device)  # the weight files only, not state.pt
     try:
-        model.load_state_dict(model.complete_legacy_state(state["model"]))
+        model.load_state_dict(model.complete_legacy_state(weights))
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        raise state_mismatch(checkpoint_dir, cfg, "model", exc) from None
+        raise state_mismatch(checkpoint_dir, cfg, "model", exc,
+                             checkpoint_dir / HEADS_FILE) from None
     return cfg, model.to(device).eval()

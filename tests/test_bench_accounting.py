@@ -103,6 +103,31 @@ def test_overhead_trial_split_adds_up_to_the_wall_time():
     assert oh.trial_table({"trial_y": [{**reports[0], "pid": 8}]}, actors) == []
 
 
+def test_overhead_per_checkpoint_figures():
+    """Bytes and seconds per checkpoint from a trial's last report; the stall's share of
+    the training time the trial would take at 5,000 examples/s."""
+    oh = load("overhead")
+    base = {"pid": 7, "timestamp": 160, "time/entered_at": 103.0, "time/startup_s": 4.0,
+            "time/setup_s": 2.5, "time/train_s": 40.0, "time/eval_s": 8.0}
+    reports = [{**base, "examples_seen": 0, "checkpoint_dir_name": None},
+               {**base, "examples_seen": 1000, "checkpoint_dir_name": "checkpoint_000000"},
+               {**base, "examples_seen": 2000, "checkpoint_dir_name": "checkpoint_000001",
+                "time/checkpoint_s": 0.2, "checkpoints_written": 2,
+                "checkpoint_bytes": 2 * 300 * 2**20, "time/checkpoint_write_s": 1.5,
+                "time/report_s": 0.8}]
+    actors = {7: {"pid": 7, "requested": 100.0, "ready": 101.0, "end": 160.0}}
+    (row,) = oh.trial_table({"t": reports}, actors)
+    f = oh.checkpoint_figures(row)
+    assert f["checkpoints"] == 2 and f["mib"] == pytest.approx(300)
+    assert f["write_s"] == pytest.approx(0.75) and f["report_s"] == pytest.approx(0.4)
+    assert f["stall_s"] == pytest.approx(0.1)  # 2 reports before the last
+    assert f["stall_share_at_gpu_speed"] == pytest.approx(0.1 * 2 / (2000 / 5000))
+    # a trainer that reports no checkpoint figures: unknown, not zero
+    old = [{k: v for k, v in r.items() if k in base or k in ("examples_seen",
+            "checkpoint_dir_name", "time/checkpoint_s")} for r in reports]
+    assert oh.checkpoint_figures(oh.trial_table({"t": old}, actors)[0])["mib"] is None
+
+
 def test_quality_threshold_maximises_accuracy_and_table_marks_missing_cells():
     import numpy as np
     q = load("quality")

@@ -122,6 +122,7 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
     for trial in summary["trials"]:
         folders = sorted((exp_dir / trial["name"]).glob("checkpoint_*"))
         assert 2 <= len(folders) <= 3, (trial["name"], folders)
-        assert all((f / "state.pt").is_file() for f in folders)
+        assert all((f / "state.pt").is_file() and (f / "heads.safetensors").is_file()
+                   and (f / "encoder" / "model.safetensors").is_file() for f in folders)
         assert folders[-1].name == "checkpoint_000003"       # the latest (192 examples)
         assert Path(trial["best_checkpoint"]) in folders

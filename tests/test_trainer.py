@@ -46,8 +46,14 @@ def test_time_breakdown_is_cumulative_and_bounded_by_the_wall_clock(tiny_config,
         values = [r[key] for r in reports]
         assert values == sorted(values) and values[0] >= 0, key
     assert reports[-1]["time/train_s"] > 0 and reports[-1]["time/eval_s"] > 0
-    # the 0.2 s spent in each report callback counts as checkpoint/report time, not training
-    assert reports[-1]["time/checkpoint_s"] >= 0.2 * (len(reports) - 1)
+    # the 0.2 s spent in each report callback is spent on the checkpoint thread, while
+    # training goes on: counted as report time, neither training nor checkpoint (the
+    # training thread's own wait for checkpoints); each report counts the reports before it
+    assert reports[-1]["time/report_s"] >= 0.2 * (len(reports) - 1)
+    # each report counts the checkpoints written up to it (the 0-example one has none)
+    assert [r["checkpoints_written"] for r in reports] == list(range(len(reports)))
+    sizes = [r["checkpoint_bytes"] for r in reports]
+    assert sizes[0] == 0 and all(b > a for a, b in zip(sizes, sizes[1:]))
     assert reports[-1]["time/train_s"] + reports[-1]["time/eval_s"] < reports[-1]["train_seconds"]
     last = reports[-1]
     assert (last["time/setup_s"] + last["time/train_s"] + last["time/eval_s"]
@@ -181,8 +187,8 @@ def test_resume_of_a_foreign_or_damaged_checkpoint_names_the_file_and_setting(ti
     Trainer(cfg, data, tmp_path).fit()
     checkpoint = tmp_path / "checkpoint"
     # another head shape: the model state does not fit; the setting that differs is named
-    with pytest.raises(ConfigError, match=r"state\.pt: written under a different config: "
-                       r"shared_pair_layer=False there, True now .*model state does not fit: "
+    with pytest.raises(ConfigError, match=r"heads\.safetensors: written under a different "
+                       r"config: shared_pair_layer=False there, True now .*model state does not fit: "
                        r"RuntimeError: .*Missing key") as err:
         Trainer(cfg.replace(shared_pair_layer=True), data, tmp_path, resume_from=checkpoint)
     assert err.value.key == "shared_pair_layer"
@@ -192,9 +198,22 @@ def test_resume_of_a_foreign_or_damaged_checkpoint_names_the_file_and_setting(ti
     (checkpoint / "history.json").write_text('[{"val/overall": 0.5}')
     with pytest.raises(DataError, match=r"history\.json: unreadable \(JSONDecodeError"):
         Trainer(cfg, data, tmp_path, resume_from=checkpoint)
+    (checkpoint / "history.json").write_text("[]")
     import torch
+    heads = (checkpoint / "heads.safetensors").read_bytes()
+    (checkpoint / "heads.safetensors").write_bytes(heads[:len(heads) // 2])  # truncated
+    for load in (load_checkpoint_model, lambda c: Trainer(cfg, data, tmp_path, resume_from=c)):
+        with pytest.raises(DataError, match=r"checkpoint/heads\.safetensors: damaged or not a "
+                           r"safetensors file .*; expected a training state"):
+            load(checkpoint)
+    (checkpoint / "heads.safetensors").write_bytes(heads)
     torch.save({"model": {}}, checkpoint / "state.pt")
     with pytest.raises(DataError, match=r"state\.pt: not a training state \(no 'optimizer'"):
+        Trainer(cfg, data, tmp_path, resume_from=checkpoint)
+    # a checkpoint of the single-file layout (weights inside state.pt): one clear error
+    (checkpoint / "encoder" / "model.safetensors").unlink()
+    with pytest.raises(DataError, match=r"encoder/model\.safetensors: missing \(a checkpoint "
+                       r"written before the weights were stored apart from state\.pt"):
         load_checkpoint_model(checkpoint)
 
 

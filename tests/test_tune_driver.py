@@ -152,6 +152,10 @@ def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(sear
     assert set(s["models"]) == kept
     assert sorted(p.name for p in (exp_dir / "models").iterdir()) == sorted(kept)
     assert not list(exp_dir.rglob("state.pt"))
+    # weight files only in the kept models (copies of their best checkpoints' files)
+    for name in ("heads.safetensors", "model.safetensors"):
+        assert {p.relative_to(exp_dir).parts[:2] for p in exp_dir.rglob(name)} == {
+            ("models", trial_id) for trial_id in kept}, name
     assert (exp_dir / "mtbert_pruned.json").is_file()
     best = s["best_trial"]
     assert best["model"] == s["models"][best["trial_id"]]
@@ -208,6 +212,7 @@ def test_summary_consistent_with_ray(search, ray_trials):
     # --keep-checkpoints best (the default) its training state was removed at the end
     ckpt = Path(s["best_trial"]["checkpoint"])
     assert ckpt.is_dir() and not (ckpt / "state.pt").exists()
+    assert not (ckpt / "heads.safetensors").exists() and not (ckpt / "encoder").exists()
     assert json.loads((ckpt / "metrics.json").read_text())["val/overall"] == pytest.approx(best_val)
     ranked = [t["best_val_overall"] for t in s["trials"] if t["best_val_overall"] is not None]
     assert max(ranked) == pytest.approx(best_val)

@@ -132,12 +132,15 @@ def upload_tree(local_dir: Path, uri: str, skip: tuple[str, ...] = ()) -> None:
                               destination_filesystem=fs)
 
 
-def download_checkpoint(uri: str, fs_path: str, dest: Path, with_state: bool) -> Path:
+def download_checkpoint(uri: str, fs_path: str, dest: Path, with_weights: bool) -> Path:
     """Copy one checkpoint folder (``fs_path`` on the storage filesystem) to ``dest``.
 
-    Without ``with_state`` the model state (``state.pt``, the large file) is skipped:
-    metrics, config and validation predictions are enough for the MLflow artifacts."""
+    The optimizer state (``state.pt``) is skipped, and without ``with_weights`` the weight
+    files too: metrics, config and validation predictions are enough for the MLflow
+    artifacts, the weights for predicting and keeping the model."""
     import pyarrow.fs
+
+    from mtbert.training_state import STATE_FILE, WEIGHT_FILES
     fs, _ = filesystem(uri)
     local_fs = pyarrow.fs.LocalFileSystem()
     dest.mkdir(parents=True, exist_ok=True)
@@ -145,7 +148,7 @@ def download_checkpoint(uri: str, fs_path: str, dest: Path, with_state: bool) ->
         if info.type != pyarrow.fs.FileType.File:
             continue
         rel = info.path[len(fs_path.rstrip("/")) + 1:]
-        if rel == "state.pt" and not with_state:
+        if rel == STATE_FILE or (rel in WEIGHT_FILES and not with_weights):
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -248,5 +251,5 @@ class ExperimentLocation:
                 r.best_checkpoint = str(download_checkpoint(
                     self.storage_uri, r.best_checkpoint,
                     self.exp_dir / STAGED_CHECKPOINTS / r.trial_id,
-                    with_state=r.trial_id in with_model))
+                    with_weights=r.trial_id in with_model))
         return stored

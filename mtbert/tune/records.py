@@ -25,7 +25,8 @@ MODE = "max"
 BEST_OBJECTIVE = f"best/{OBJECTIVE}"
 #: run counters sent with every evaluation besides the ``val/*``, ``train/*`` and ``time/*``
 #: metrics (the current learning rate goes as ``train/lr``: ``lr`` is a hyperparameter)
-RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds")
+RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds", "checkpoints_written",
+            "checkpoint_bytes")
 
 
 class TrialStatus(enum.StrEnum):

@@ -11,9 +11,10 @@ states) and its ensemble and predictions are written:
 * ``best`` (default): the weights of the best trial and of each ensemble member, from
   their best checkpoints, go to ``<experiment>/models/<trial id>/``
   (:mod:`mtbert.model_files`: ``encoder/`` for ``AutoModel.from_pretrained``,
-  ``heads.safetensors``, ``config.yaml``), and every training state (``state.pt``:
-  weights, AdamW moments, SMART teacher, RNG) is removed; checkpoint folders keep their
-  metrics and validation predictions;
+  ``heads.safetensors``, ``config.yaml``; the checkpoint's weight files copied as they
+  are), and every training state (``state.pt``: AdamW moments, SMART teacher, RNG; and
+  the weight files ``encoder/`` and ``heads.safetensors``) is removed; checkpoint folders
+  keep their metrics and validation predictions;
 * ``none``: the training states are removed and no weights are kept;
 * ``all``: everything stays.
 """
@@ -30,35 +31,46 @@ PRUNED_FILE = "mtbert_pruned.json"
 
 
 def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:
-    """``{trial_id: best checkpoint}`` -> ``{trial_id: exported model folder}``."""
-    from mtbert.model_files import export_model
-    from mtbert.trainer import load_checkpoint_model
-    out = {}
-    for trial_id, checkpoint in checkpoints.items():
-        cfg, model = load_checkpoint_model(checkpoint)
-        out[trial_id] = export_model(model, cfg, folder / trial_id)
-    return out
+    """``{trial_id: best checkpoint}`` -> ``{trial_id: exported model folder}`` (copies of
+    the checkpoints' weight files)."""
+    from mtbert.model_files import export_checkpoint
+    return {trial_id: export_checkpoint(checkpoint, folder / trial_id)
+            for trial_id, checkpoint in checkpoints.items()}
 
 
 def remove_training_states(location: ExperimentLocation) -> tuple[int, int]:
-    """Delete every ``state.pt`` of the experiment (local folder or URI); (files, bytes)."""
+    """Delete the training-state files (``state.pt`` and the weight files) of every
+    checkpoint of the experiment (local folder or URI), not the kept ``models/``;
+    (checkpoints, bytes)."""
     import pyarrow.fs
 
-    from mtbert.trainer import CHECKPOINT_FILE as STATE_FILE
+    from mtbert.training_state import ENCODER_DIR, STATE_FILE, TRAINING_STATE_FILES
     from mtbert.tune.location import filesystem
     if location.exp_uri:
         fs, root = filesystem(location.exp_uri)
     else:
         fs, root = pyarrow.fs.LocalFileSystem(), str(location.exp_dir)
-    files, size = 0, 0
+    root = root.rstrip("/")
+    states, size, folders = 0, 0, set()
     for info in fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True)):
-        if info.type == pyarrow.fs.FileType.File and info.base_name == STATE_FILE:
+        rel = info.path[len(root) + 1:]
+        if (info.type == pyarrow.fs.FileType.File and not rel.startswith(MODELS_DIR + "/")
+                and any(rel == f or rel.endswith("/" + f) for f in TRAINING_STATE_FILES)):
             fs.delete_file(info.path)
-            files, size = files + 1, size + info.size
+            states += rel.rsplit("/", 1)[-1] == STATE_FILE
+            size += info.size
+            if rel.split("/")[-2:-1] == [ENCODER_DIR]:
+                folders.add(info.path.rsplit("/", 1)[0])
+    for path in folders:  # the emptied encoder/ folders (no-ops on object stores)
+        try:
+            fs.delete_dir(path)
+        except OSError:
+            pass
     staged = location.exp_dir / STAGED_CHECKPOINTS  # local copies of a URI storage's
-    for path in staged.rglob(STATE_FILE) if location.exp_uri else ():
-        path.unlink()
-    return files, size
+    for name in TRAINING_STATE_FILES if location.exp_uri else ():
+        for path in staged.rglob(name):
+            path.unlink()
+    return states, size
 
 
 def folder_bytes(folder: Path) -> int:

@@ -7,7 +7,8 @@ from there (no trial reads or tokenises files).  The trial's config is
 scored only for the ensemble finalists, by the driver).
 
 After every validation evaluation the trainer writes a checkpoint folder (model state
-and that evaluation's validation predictions as Parquet) and calls back; the callback
+and that evaluation's validation predictions as Parquet) and calls back, both on its
+checkpoint thread while training goes on; the callback
 hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Checkpoint)``
 (plus ``node_id``, the Ray node that ran the evaluation) -- Ray
 copies it to the storage path before the trainer overwrites it at the next evaluation.
@@ -104,8 +105,9 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
 
 
 def _wait_for_the_actor_to_exit(work: Path) -> None:
-    """Tune stopped this trial (ASHA): ``tune.report`` raised SystemExit(0) in this thread
-    (Ray's runner thread), and Ray ends the actor's process now without waiting for it.
+    """Tune stopped this trial (ASHA): ``tune.report`` raised SystemExit(0) in the
+    trainer's checkpoint thread, which the trainer raised again in this thread (Ray's
+    runner thread) at its next step, and Ray ends the actor's process now.
     Unwinding from here would free the model's tensors while the interpreter shuts down:
     a thread taking the GIL back during ``Py_Finalize`` is ended by ``pthread_exit``, whose
     forced unwind through libtorch's C++ frames calls ``std::terminate`` -- the SIGABRT
@@ -151,15 +153,11 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         timing = {"time/entered_at": entered_at, **startup,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
-        try:
-            tune.report({**ray_metrics(metrics, trainer.history), **timing,
-                         "node_id": node_id},
-                        checkpoint=(tune.Checkpoint.from_directory(checkpoint_dir)
-                                    if checkpoint_dir else None))
-        except SystemExit as exc:
-            if exc.code not in (0, None):
-                raise
-            _wait_for_the_actor_to_exit(work)
+        # on the trainer's checkpoint thread, once the checkpoint is written; a stop raises
+        # SystemExit(0) here, which the trainer raises again in the training thread
+        tune.report({**ray_metrics(metrics, trainer.history), **timing, "node_id": node_id},
+                    checkpoint=(tune.Checkpoint.from_directory(checkpoint_dir)
+                                if checkpoint_dir else None))
 
     try:
         checkpoint = tune.get_checkpoint()
@@ -171,6 +169,11 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
-        trainer.fit()
+        try:
+            trainer.fit()
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+            _wait_for_the_actor_to_exit(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""The checkpoint layout (weights apart from the optimizer state, each tensor once) and
+the background checkpoint writer (issue 19)."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import torch
+
+from mtbert.data import load_data
+from mtbert.trainer import Trainer
+
+
+def test_checkpoint_weights_are_an_exported_model_and_apart_from_the_state(tiny_config,
+                                                                           tmp_path):
+    from transformers import AutoModel
+
+    from mtbert.model_files import export_checkpoint, load_model
+    from mtbert.training_state import load_tensors, read_training_state
+    cfg = tiny_config(max_examples=48, eval_dev=False, smart_mu=1.0)
+    data = load_data(cfg)
+    trainer = Trainer(cfg, data, tmp_path / "run")
+    trainer.fit()
+    checkpoint = tmp_path / "run" / "checkpoint"
+    assert sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*")
+                  if p.is_file() and "predictions" not in p.parts) == [
+        "config.yaml", "encoder/config.json", "encoder/model.safetensors",
+        "heads.safetensors", "history.json", "metrics.json", "state.pt"]
+    # the encoder folder is a transformers model holding the trained encoder's weights
+    encoder = AutoModel.from_pretrained(checkpoint / "encoder")
+    trained = trainer.model.encoder.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in encoder.state_dict().items())
+    heads = load_tensors(checkpoint / "heads.safetensors")
+    assert heads and not any(k.startswith("encoder.") for k in heads)
+    # state.pt: no weights, the SMART teacher (an EMA of the weights, not derivable) kept
+    state = read_training_state(checkpoint / "state.pt")
+    assert "model" not in state and state["regulariser"]["teacher"]
+    assert set(state["optimizer"]["state"]) and state["counters"]["examples_seen"] >= 48
+    # exporting is a copy of the weight files; the export predicts as the trainer does
+    folder = export_checkpoint(checkpoint, tmp_path / "kept")
+    for name in ("encoder/model.safetensors", "heads.safetensors", "encoder/config.json"):
+        assert filecmp.cmp(checkpoint / name, folder / name, shallow=False), name
+    assert not (folder / "state.pt").exists()
+    _, model = load_model(folder)
+    trainer.model = model
+    assert trainer.evaluate("val")["val/overall"] == trainer.history[-1]["val/overall"]
+
+
+def test_each_tensor_is_stored_once(tmp_path):
+    """Tied entries (one tensor under two names) are one host copy, written once and
+    restored as one tensor."""
+    from mtbert.training_state import HostCopy, load_tensors, save_tensors
+    shared = torch.randn(256, 64)
+    live = {"embeddings.weight": shared, "decoder.weight": shared, "bias": torch.zeros(64)}
+    copier = HostCopy()
+    snapshot = copier.copy(live)
+    assert snapshot["embeddings.weight"] is snapshot["decoder.weight"]
+    assert snapshot["bias"] is not live["bias"] and torch.equal(snapshot["bias"], live["bias"])
+    size = save_tensors(tmp_path / "w.safetensors", snapshot)
+    assert shared.numel() * 4 < size < 1.5 * shared.numel() * 4  # not twice
+    back = load_tensors(tmp_path / "w.safetensors")
+    assert back["embeddings.weight"] is back["decoder.weight"]
+    assert torch.equal(back["decoder.weight"], shared)
+    # the buffers are reused: a second snapshot copies into the same memory
+    shared.add_(1.0)
+    again = copier.copy(live)
+    assert again["decoder.weight"] is snapshot["decoder.weight"]
+    assert torch.equal(again["decoder.weight"], shared)
+
+
+def test_a_report_that_raises_stops_training_at_the_next_step(tiny_config, tmp_path):
+    """A report runs on the checkpoint thread while training goes on; what it raises (the
+    SystemExit with which Ray's report stops a trial, here) is raised in the training
+    thread at its next step (or evaluation), after the checkpoint was written."""
+    import threading
+    cfg = tiny_config(epochs=3, eval_every=40, eval_dev=False, eval_at_start=False)
+    threads = []
+
+    def stop(metrics, checkpoint_dir):
+        threads.append(threading.current_thread())
+        raise SystemExit(0)
+
+    trainer = Trainer(cfg, load_data(cfg), tmp_path, report=stop)
+    with pytest.raises(SystemExit):
+        trainer.fit()
+    assert threads and threads[0] is not threading.current_thread()
+    # stopped before a second evaluation was recorded (at the latest when that one
+    # waited for the first's report)
+    assert len(trainer.history) == 1 and 40 <= trainer.examples_seen < 80 + 3 * cfg.batch_size
+    assert (tmp_path / "checkpoint" / "heads.safetensors").is_file()
+    assert not list(tmp_path.glob(".checkpoint.*"))  # no half-written folder left
