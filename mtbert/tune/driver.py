@@ -26,7 +26,7 @@ from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
-from mtbert.tune.search import InterruptWatch, build_tuner
+from mtbert.tune.search import POPULATION_SCHEDULERS, InterruptWatch, build_tuner, mutations
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
 from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker
@@ -86,11 +86,13 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     view = share_runs_view(tracker, list(settings.space.searched))
     for line in ui_links(settings.mlflow_uri, tracker.experiment_id(), parent, view):
         print(f"[tune] MLflow {line}", flush=True)
-    evaluated = (f"evaluated at {budget.eval_every} x {budget.eval_growth:g}^k and the end"
-                 if budget.eval_growth > 1 else f"evaluated every {budget.eval_every}")
+    growth = settings.base["eval_growth"]
+    evaluated = (f"evaluated at {budget.eval_every} x {growth:g}^k and the end"
+                 if growth > 1 else f"evaluated every {budget.eval_every}")
     print(f"[tune] space {settings.space.name}: {', '.join(settings.space.searched)}; budget "
-          f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, ASHA grace "
-          f"{budget.grace_period} rf {budget.reduction_factor:g}; {settings.num_samples} "
+          f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, rungs grace "
+          f"{budget.grace_period} rf {budget.reduction_factor:g}; scheduler "
+          f"{settings.scheduler}, searcher {settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
     return tracker, parent
 
@@ -128,7 +130,10 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
         tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended),
         {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
-    callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
+    perturbed = (list(mutations(settings.space, settings.scheduler))
+                 if settings.scheduler in POPULATION_SCHEDULERS else [])
+    callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs(),
+                                   perturbed)
     tuner = build_tuner(settings, trainable, [callback], max_concurrent)
     with InterruptWatch() as watch:
         grid = tuner.fit()
