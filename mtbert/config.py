@@ -113,8 +113,16 @@ class TrainConfig:
         "learning rate of the task heads (everything outside the encoder) = lr × this",
         low=0.0, high=1000.0, low_open=True))
     weight_decay: float = field(default=0.01, metadata=_meta("AdamW weight decay", low=0.0, high=1.0))
+    lr_schedule: Literal["linear", "wsd", "constant"] = field(default="linear", metadata=_meta(
+        "learning-rate schedule after the warm-up: linear (decay to 0 at the run's end), wsd "
+        "(constant, then a linear decay to 0 over the last decay_ratio of the steps), constant"))
     warmup_ratio: float = field(default=0.1, metadata=_meta(
-        "share of optimizer steps spent in linear warm-up", low=0.0, high=1.0))
+        "share of optimizer steps spent in linear warm-up (when warmup_examples is 0)",
+        low=0.0, high=1.0))
+    warmup_examples: int = field(default=0, metadata=_meta(
+        "training examples spent in linear warm-up (0 = use warmup_ratio)", low=0))
+    decay_ratio: float = field(default=0.2, metadata=_meta(
+        "wsd: share of the run's optimizer steps in the final decay", low=0.0, high=1.0))
     max_grad_norm: float = field(default=1.0, metadata=_meta(
         "gradient clipping norm (0 = off)", low=0.0))
     seed: int = field(default=0, metadata=_meta("seed of weights, order and dropout", low=0))

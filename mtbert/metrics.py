@@ -1,6 +1,9 @@
 """Metrics: accuracy, precision/recall/F1, Pearson r, the SST confusion matrix, overall.
 
 overall = (SST acc + QQP acc + (STS r + 1) / 2) / 3  (the CS 224N leaderboard).
+
+Every score comes with its standard error over the rows scored (``*_se``): what separates
+two trials' scores from noise on a small validation split.
 """
 
 from __future__ import annotations
@@ -13,6 +16,22 @@ from scipy import stats
 
 def overall_score(sst_acc: float, qqp_acc: float, sts_corr: float) -> float:
     return (sst_acc + qqp_acc + (sts_corr + 1.0) / 2.0) / 3.0
+
+
+def accuracy_standard_error(acc: float, n: int) -> float:
+    """Binomial: sqrt(p (1 - p) / n)."""
+    return math.sqrt(acc * (1.0 - acc) / n) if n > 0 and math.isfinite(acc) else float("nan")
+
+
+def pearson_standard_error(r: float, n: int) -> float:
+    """Fisher's z = atanh r has standard error 1 / sqrt(n - 3); by the delta method
+    (dr/dz = 1 - r^2) r's is (1 - r^2) / sqrt(n - 3)."""
+    return (1.0 - r * r) / math.sqrt(n - 3) if n > 3 and math.isfinite(r) else float("nan")
+
+
+def overall_standard_error(sst_se: float, qqp_se: float, sts_se: float) -> float:
+    """overall's, the three tasks' rows being independent: the STS term is (r + 1) / 2."""
+    return math.sqrt(sst_se ** 2 + qqp_se ** 2 + (sts_se / 2.0) ** 2) / 3.0
 
 
 def scalar_metrics(metrics: dict, finite: bool = False) -> dict[str, float]:
@@ -55,19 +74,25 @@ def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
 
 def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, object]:
     """Metrics of one task; ``pred`` is SST class, QQP 0/1 class, STS score."""
+    n = len(gold)
     if task == "sst":
         cm = confusion_matrix(pred, gold, 5)
         p, r, f1 = precision_recall_f1(cm)
-        return {"sst_acc": accuracy(pred, gold), "sst_precision_macro": float(p.mean()),
+        acc = accuracy(pred, gold)
+        return {"sst_acc": acc, "sst_acc_se": accuracy_standard_error(acc, n),
+                "sst_precision_macro": float(p.mean()),
                 "sst_recall_macro": float(r.mean()), "sst_f1_macro": float(f1.mean()),
                 "sst_confusion": cm.tolist()}
     if task == "qqp":
         cm = confusion_matrix(pred, gold, 2)
         p, r, f1 = precision_recall_f1(cm)
-        return {"qqp_acc": accuracy(pred, gold), "qqp_precision": float(p[1]),
+        acc = accuracy(pred, gold)
+        return {"qqp_acc": acc, "qqp_acc_se": accuracy_standard_error(acc, n),
+                "qqp_precision": float(p[1]),
                 "qqp_recall": float(r[1]), "qqp_f1": float(f1[1])}
     constant = len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0
-    return {"sts_corr": pearson(pred, gold),
+    r = pearson(pred, gold)
+    return {"sts_corr": r, "sts_corr_se": pearson_standard_error(r, n),
             "sts_spearman": 0.0 if constant else float(stats.spearmanr(pred, gold).statistic),
             "sts_mse": float(np.mean((np.asarray(pred) - np.asarray(gold)) ** 2))}
 
@@ -80,4 +105,8 @@ def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[s
     if all(k in out for k in (f"{prefix}/sst_acc", f"{prefix}/qqp_acc", f"{prefix}/sts_corr")):
         out[f"{prefix}/overall"] = overall_score(out[f"{prefix}/sst_acc"], out[f"{prefix}/qqp_acc"],
                                                  out[f"{prefix}/sts_corr"])
+        if all(f"{prefix}/{k}_se" in out for k in ("sst_acc", "qqp_acc", "sts_corr")):
+            out[f"{prefix}/overall_se"] = overall_standard_error(
+                out[f"{prefix}/sst_acc_se"], out[f"{prefix}/qqp_acc_se"],
+                out[f"{prefix}/sts_corr_se"])
     return out

@@ -33,7 +33,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers import get_linear_schedule_with_warmup
 
 from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig, coerce_value, read_yaml_file
@@ -41,6 +40,7 @@ from mtbert.data import MultitaskData, Split, TaskBatcher, collate, encoding_for
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
+from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.schedules import build_schedule, super_batches
@@ -163,9 +163,10 @@ class Trainer:
         # the fused kernel updates all 22M MiniLM parameters in ~15 ms on one CPU thread,
         # the default for-loop implementation in ~190 ms (a large share of a training step)
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, fused=True)
-        self.total_steps = self._count_optimizer_steps()
-        self.lr_scheduler = get_linear_schedule_with_warmup(
-            self.optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps)
+        self.configured_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.total_steps, total_examples = self._count_optimizer_steps()
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.total_steps,
+                                               total_examples / self.total_steps)
         self.autocast = self.device.type == "cuda"
         compile_model(self.model, cfg.compile)
         # counters: everything a resume needs besides module/optimizer states
@@ -244,16 +245,17 @@ class Trainer:
         steps = self.schedule.plan(epoch, rng)
         return super_batches(steps) if self.cfg.update == "summed" else steps
 
-    def _count_optimizer_steps(self) -> int:
-        """Optimizer steps the run will take (for the LR schedule), nominal batch sizes."""
+    def _count_optimizer_steps(self) -> tuple[int, int]:
+        """Optimizer steps the run will take and the examples they train on (for the LR
+        schedule), at nominal batch sizes."""
         steps, examples = 0, 0
         for epoch in range(1, self.cfg.epochs + 1):
             for group in self._epoch_plan(epoch):
                 steps += 1 if self.cfg.update == "summed" else len(group)
                 examples += sum(self.cfg.task_batch_size(t) for t in group)
                 if self.cfg.max_examples and examples >= self.cfg.max_examples:
-                    return max(steps, 1)
-        return max(steps, 1)
+                    return max(steps, 1), max(examples, 1)
+        return max(steps, 1), max(examples, 1)
 
     def log(self, message: str) -> None:
         if self.cfg.progress:
@@ -507,6 +509,7 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             part = "LR scheduler"
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            take_configured_lrs(self.lr_scheduler, self.configured_lrs)
             part = "loss weighting"
             self.loss_combiner.load_state_dict(state["loss_combiner"])
             part = "SMART regulariser"

@@ -5,6 +5,7 @@ of a trial (the scripts themselves run real searches; see README Results)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -53,6 +55,35 @@ def test_first_reaching_and_full_training(se):
     assert se.first_reaching(points, 0.6)["wall_s"] == 25.0  # A's 0.7 at 120 comes first
     assert se.first_reaching(points, 0.71) is None
     assert se.full_training_s(two_trials()) == pytest.approx(20.0)  # median of 20 and 20
+
+
+def test_seed_figures_against_the_grid_and_means_over_seeds(se):
+    """A method compared with the same seed's grid: the compute share at which it first
+    reaches the grid's best, its wall time over one grid training, and its selected
+    trial's dev against the grid's; means over seeds are None if any seed never reached."""
+    grid = {**two_trials(), "seed": 0, "num_trials": 2, "errors": 0, "wall_s": 30.0,
+            "selected": {"dev": 0.60, "dev_se": 0.02, "val": 0.7, "val_se": 0.02}}
+    fast = {"seed": 0, "num_trials": 1, "errors": 0, "started": 0.0, "wall_s": 30.0,
+            "trials": [{"trial": "C", "entered_at": 0.0, "reports": [
+                {"at": 10.0, "examples": 20, "score": 0.72}]}],
+            "selected": {"dev": 0.59, "dev_se": 0.02, "val": 0.72, "val_se": 0.02}}
+    f = se.seed_figures(fast, grid)
+    assert f["examples_to_grid_best_ratio"] == pytest.approx(20 / 120)
+    assert f["trial_s_to_grid_best_ratio"] == pytest.approx(10 / 40)
+    assert f["wall_vs_one_training"] == pytest.approx(30 / 20)
+    assert f["dev_within_one_se_of_grid"] is True  # 0.59 >= 0.60 - 0.02
+    slow = {**fast, "seed": 1, "trials": [{**fast["trials"][0], "reports": [
+        {"at": 10.0, "examples": 20, "score": 0.65}]}], "selected": {**fast["selected"], "dev": 0.5}}
+    g = se.seed_figures(slow, {**grid, "seed": 1})
+    assert g["examples_to_grid_best_ratio"] is None and g["dev_within_one_se_of_grid"] is False
+    summary = se.summarise({"grid": {0: grid, 1: {**grid, "seed": 1}},
+                            "asha_tpe": {0: fast, 1: slow}})
+    assert summary["asha_tpe"]["seeds"] == [0, 1]
+    assert summary["asha_tpe"]["examples_to_grid_best_ratio"] == {
+        "mean": None, "sd": None, "n": 2, "reached": 1}
+    assert summary["asha_tpe"]["wall_vs_one_training"]["mean"] == pytest.approx(1.5)
+    assert summary["asha_tpe"]["selected_dev"]["mean"] == pytest.approx(0.545)
+    assert summary["asha_tpe"]["selected_dev"]["sd"] == pytest.approx(0.0636, abs=1e-4)
 
 
 def test_overhead_trial_split_adds_up_to_the_wall_time():

@@ -9,6 +9,13 @@ reduction_factor`` the evaluations fall on the rungs: none is spent between them
 the small budgets of a CPU an evaluation costs as much as a tenth of the training).
 ``smoke`` evaluates at a fixed interval so tests see several reports per trial.
 
+Every trial trains under the warm-up-stable-decay LR schedule (``lr_schedule=wsd``,
+mtbert/lr_schedules.py) with a warm-up of ``warmup_examples`` that ends before the first
+rung: at every rung but the last the trials are at the same, constant LR -- comparable,
+and a promoted trial continues at the LR it was judged at -- and only a trial that
+reaches ``max_examples`` decays (the last ``decay_ratio`` of its steps).  A space's
+fixed values or ``--set`` may choose another schedule.
+
 ``max_train_per_task`` caps each task's training rows so an epoch stays small and
 ``epochs`` passes fit the budget (schedules like ``sequential`` and ``annealed`` see
 whole epochs); ``max_eval_per_task`` caps the validation, dev and test rows scored
@@ -43,6 +50,7 @@ class Budget:
     eval_growth: float       # later evaluations at eval_every * eval_growth^k (+ the end)
     grace_period: int        # ASHA: examples before a trial can be stopped
     reduction_factor: float  # ASHA: keep the top 1/rf at each rung
+    warmup_examples: int     # LR warm-up of every trial, in examples (< grace_period)
     max_train_per_task: int  # training rows per task (0 = all)
     max_eval_per_task: int   # val/dev/test rows per task (0 = all)
     num_samples: int         # default number of trials
@@ -54,7 +62,8 @@ class Budget:
     def trial_fields(self) -> dict:
         """TrainConfig fields every trial of this budget gets."""
         return {"epochs": self.epochs, "max_examples": self.max_examples,
-                "eval_every": self.eval_every, "eval_growth": self.eval_growth}
+                "eval_every": self.eval_every, "eval_growth": self.eval_growth,
+                "lr_schedule": "wsd", "warmup_examples": self.warmup_examples}
 
     def data_fields(self) -> dict:
         """TrainConfig fields that shape the data loaded once by the driver."""
@@ -80,20 +89,20 @@ class Budget:
 BUDGETS: dict[str, Budget] = {b.name: b for b in (
     Budget("smoke", "tests and a first try: ~1-2 min with the tiny model or a 64-row slice",
            max_examples=192, epochs=2, eval_every=48, eval_growth=1,
-           grace_period=48, reduction_factor=3, max_train_per_task=64, max_eval_per_task=32,
-           num_samples=4, ensemble_top_k=3),
+           grace_period=48, reduction_factor=3, warmup_examples=0,
+           max_train_per_task=64, max_eval_per_task=32, num_samples=4, ensemble_top_k=3),
     Budget("small", "~30 min on 2 CPU cores with MiniLM: 1,000 train rows per task, 2 epochs",
            max_examples=6000, epochs=2, eval_every=1000, eval_growth=2,
-           grace_period=1000, reduction_factor=2, max_train_per_task=1000, max_eval_per_task=300,
-           num_samples=8, ensemble_top_k=3),
+           grace_period=1000, reduction_factor=2, warmup_examples=500,
+           max_train_per_task=1000, max_eval_per_task=300, num_samples=8, ensemble_top_k=3),
     Budget("medium", "~40-90 min on 2 CPU cores with MiniLM: 4,000 train rows per task, 2 epochs",
            max_examples=24000, epochs=2, eval_every=4000, eval_growth=2,
-           grace_period=4000, reduction_factor=2, max_train_per_task=4000, max_eval_per_task=1000,
-           num_samples=12, ensemble_top_k=5),
+           grace_period=4000, reduction_factor=2, warmup_examples=1000,
+           max_train_per_task=4000, max_eval_per_task=1000, num_samples=12, ensemble_top_k=5),
     Budget("full", "all the data, 3 epochs per trial: for GPU nodes",
            max_examples=0, epochs=3, eval_every=10000, eval_growth=3,
-           grace_period=10000, reduction_factor=3, max_train_per_task=0, max_eval_per_task=0,
-           num_samples=32, ensemble_top_k=5),
+           grace_period=10000, reduction_factor=3, warmup_examples=5000,
+           max_train_per_task=0, max_eval_per_task=0, num_samples=32, ensemble_top_k=5),
 )}
 
 

@@ -4,7 +4,7 @@
   spent by the whole search (all trials' results in wall-clock order), every
   evaluation as a dot, ASHA stops marked with an x;
 * ``learning_curves.png`` -- validation overall against examples seen, one line per
-  trial (dashed = stopped early by ASHA, red x = error);
+  trial (dashed = stopped early by ASHA, red x = error, a band of ± one standard error);
 * ``importances.png`` / ``importances.json`` -- the hyperparameter importances that
   :mod:`mtbert.tune.importances` computes with Optuna;
 * ``sst_confusion.png`` -- a confusion matrix plot (per trial and for the ensemble).
@@ -99,11 +99,15 @@ def learning_curves_figure(trials: list[TrialRecord], metric: str = OBJECTIVE,
         style = "--" if t.status == TrialStatus.STOPPED_EARLY else "-"
         ax.plot(x, y, style, marker=".", color=f"C{i % 10}", lw=1.2,
                 label=f"{t.trial_id} ({t.status})")
+        se = [h.get(f"{metric}_se", math.nan) for h in t.history if metric in h]
+        if all(math.isfinite(v) for v in se):  # ± one standard error over the rows scored
+            ax.fill_between(x, [v - e for v, e in zip(y, se)], [v + e for v, e in zip(y, se)],
+                            color=f"C{i % 10}", alpha=0.12, lw=0)
         if t.status == TrialStatus.ERROR:
             ax.scatter([x[-1]], [y[-1]], marker="x", color="red", s=40)
     ax.set_xlabel("examples seen by the trial")
     ax.set_ylabel(f"validation {metric.split('/')[-1]}")
-    ax.set_title("Learning curves (dashed = stopped early by ASHA)")
+    ax.set_title("Learning curves (dashed = stopped early by ASHA; bands: ± 1 standard error)")
     ax.grid(alpha=0.3)
     if len(trials) <= 12:  # beside the axes, never over a curve
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

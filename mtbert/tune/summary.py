@@ -225,6 +225,12 @@ def _fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+def _with_se(scores: dict[str, float], key: str) -> str:
+    """``0.6624 ± 0.0161``: a score and its standard error over the rows scored."""
+    value, se = scores.get(key, NAN), scores.get(f"{key}_se")
+    return f"{value:.4f}" if se is None else f"{value:.4f} ± {se:.4f}"
+
+
 def _scores(val: dict[str, float], prefix: str = "val") -> tuple[float, ...]:
     return tuple(val.get(f"{prefix}/{k}", NAN) for k in ("overall", "sst_acc", "qqp_acc",
                                                          "sts_corr"))
@@ -244,24 +250,26 @@ def _markdown(s: SearchSummary) -> str:
     lines += ["| trials | completed | stopped early (ASHA) | errored |",
              "| --- | --- | --- | --- |",
              f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} |", ""]
-    lines += ["## Top trials", "", "| rank | trial | status | examples | val overall | sst | qqp | "
-              "sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
+              "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, t in enumerate(s.top_trials, 1):
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in t.searched.items())
         overall, sst, qqp, sts = _scores(t.val)
-        lines.append(f"| {i} | {t.trial_id} | {t.status} | {t.examples_seen} | {overall:.4f} | "
+        lines.append(f"| {i} | {t.trial_id} | {t.status} | {t.examples_seen} | "
+                     f"{_with_se(t.val, 'val/overall')} | "
                      f"{sst:.3f} | {qqp:.3f} | {sts:.3f} | {params} |")
     ens, best = s.ensemble, s.best_trial
     if best:
-        lines += ["", "## Best trial vs ensemble", "", "| | val overall | dev overall | dev sst | "
-                  "dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "## Best trial vs ensemble", "", "| | val overall ± se | dev overall ± se | "
+                  "dev sst | dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
         rows = [(f"best trial {best.trial_id}", best.val, best.dev)]
         if ens:
             rows.append((f"ensemble ({ens.method}, {len(ens.members)} members)", ens.val,
                          ens.dev))
         for label, val, dev in rows:
             overall, sst, qqp, sts = _scores(dev, "dev")
-            lines.append(f"| {label} | {val.get('val/overall', NAN):.4f} | {overall:.4f} | "
+            lines.append(f"| {label} | {_with_se(val, 'val/overall')} | "
+                         f"{_with_se(dev, 'dev/overall')} | "
                          f"{sst:.3f} | {qqp:.3f} | {sts:.3f} |")
         lines += ["", f"Best config: `{json.dumps(best.searched, default=str)}`"]
     if ens:
