@@ -77,17 +77,18 @@ def _assert_recorded(search: dict, scheduler: str, search_alg: str, trials: int)
     client = search["client"]
     for trial_id, df in search["ray"].trial_dataframes.items():
         history = client.get_metric_history(children[trial_id].info.run_id, "val/overall")
-        assert sorted(m.step for m in history) == sorted(set(df["examples_seen"]))
+        # (a trial PBT restarted from another's checkpoint may rewrite Ray's rows)
+        assert set(df["examples_seen"]) <= {m.step for m in history}
 
 
 # ---------------------------------------------------------------------- end to end
 def test_bohb_search_runs_on_the_budgets_rungs(run_search):
     search = run_search("bohb", "--scheduler", "bohb", trials=3)
     _assert_recorded(search, "bohb", "bohb", 3)
-    # Hyperband counted in grace periods: its time attribute is examples / 48
-    for df in search["ray"].trial_dataframes.values():
-        done = df[df["rungs_seen"].notna()]
-        assert list(done["rungs_seen"]) == pytest.approx(list(done["examples_seen"] / 48))
+    # Hyperband's milestones are the budget's rungs (48, 144): a trial it stopped passed one
+    for t in search["summary"]["trials"]:
+        assert t["status"] in ("completed", "stopped_early")
+        assert t["examples_seen"] >= (192 if t["status"] == "completed" else 48)
 
 
 def test_optuna_multivariate_search(run_search):
@@ -98,8 +99,9 @@ def test_optuna_multivariate_search(run_search):
 def test_pb2_search_perturbs_within_the_space(run_search):
     search = run_search("pb2", "--scheduler", "pb2")
     _assert_recorded(search, "pb2", "random", 2)
-    for trial in search["ray"].trials:  # the smoke space's ranges
-        assert 1e-4 <= trial.config["lr"] <= 5e-3 and 0.0 <= trial.config["dropout"] <= 0.3
+    for trial in search["ray"].trials:  # the smoke space's ranges (PB2 works in float32)
+        assert 1e-4 * (1 - 1e-6) <= trial.config["lr"] <= 5e-3 * (1 + 1e-6)
+        assert 0.0 <= trial.config["dropout"] <= 0.3 * (1 + 1e-6)
 
 
 def test_pbt_exploit_changes_lr_and_dropout(run_search):
@@ -125,6 +127,13 @@ def test_pbt_exploit_changes_lr_and_dropout(run_search):
                 assert history[0].value == pytest.approx(sampled)
                 assert trial.config[key] != pytest.approx(sampled)
                 changed.add(key)
+            if key == "lr" and len({m.value for m in history}) > 1:
+                # the trainer trained at the perturbed lr (not the checkpoint's): at some
+                # evaluation after the exploit the reported lr is the new config's
+                actual = {m.step: m.value for m in client.get_metric_history(
+                    run.info.run_id, "train/lr")}
+                assert any(m.value != pytest.approx(sampled)
+                           and actual.get(m.step) == pytest.approx(m.value) for m in history)
     assert changed == {"lr", "dropout"}
     # every trial trained its whole budget (PBT stops none)
     assert search["summary"]["counts"]["completed"] == 2
@@ -214,15 +223,15 @@ def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model
     assert settings.resolved_for(3000).base["eval_growth"] == growth
     assert settings.base["eval_every"] == 1000
     if scheduler in ("pbt", "pb2"):
-        assert build_scheduler(scheduler, settings.budget,
-                               settings.space)._perturbation_interval == 1000
+        scheduler = build_scheduler(scheduler, settings.budget, settings.space)
+        assert scheduler.interval == 1000 and scheduler._perturbation_interval == 1
     assert not (tmp_path / "out").exists()
 
 
 def test_hyperband_brackets_start_on_the_budgets_rungs():
     """Every bracket's first milestone, in examples, is one of the budget's ASHA rungs."""
     from mtbert.tune.budgets import BUDGETS
-    from mtbert.tune.hyperband import HyperBandOnRungs
+    from mtbert.tune.schedulers import HyperBandOnRungs
     for budget in BUDGETS.values():
         budget = budget.resolved(100_000)
         scheduler = HyperBandOnRungs(budget)

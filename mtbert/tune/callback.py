@@ -20,11 +20,8 @@ class MlflowTrialCallback(Callback):
     """Child run per trial: params at start, metrics per evaluation, tags at the end."""
 
     def __init__(self, tracker: SearchTracker, base: dict[str, Any], max_examples: int,
-                 rungs: list[int], perturbed: list[str] = ()):
-        """``perturbed``: the config keys PBT / PB2 change during a trial; their values go
-        with every evaluation as metrics ``config/<key>`` (params are written once)."""
+                 rungs: list[int]):
         self.tracker = tracker
-        self.perturbed = list(perturbed)
         self.base = dict(base)
         self.max_examples = int(max_examples)
         self.rungs = list(rungs)
@@ -45,10 +42,9 @@ class MlflowTrialCallback(Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self._run_for(trial)
         metrics = {k: v for k, v in result.items()  # not time/entered_at: a clock reading
-                   if isinstance(k, str) and (k.startswith(("val/", "train/", "time/", "best/"))
+                   if isinstance(k, str) and (k.startswith(("val/", "train/", "time/", "best/",
+                                                                 "config/"))
                                               or k in RUN_KEYS) and not k.endswith("_at")}
-        metrics.update({f"config/{k}": trial.config[k] for k in self.perturbed
-                        if k in trial.config})
         step = int(result.get("examples_seen", result.get("training_iteration", 0)))
         self.tracker.log_trial_result(trial.trial_id, metrics, step)
         node = result.get("node_id")

@@ -26,7 +26,7 @@ from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
-from mtbert.tune.search import POPULATION_SCHEDULERS, InterruptWatch, build_tuner, mutations
+from mtbert.tune.search import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
 from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker
@@ -130,10 +130,7 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
         tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended),
         {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
-    perturbed = (list(mutations(settings.space, settings.scheduler))
-                 if settings.scheduler in POPULATION_SCHEDULERS else [])
-    callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs(),
-                                   perturbed)
+    callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
     tuner = build_tuner(settings, trainable, [callback], max_concurrent)
     with InterruptWatch() as watch:
         grid = tuner.fit()

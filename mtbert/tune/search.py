@@ -156,24 +156,22 @@ def build_scheduler(name: str, budget: Budget, space=None):
     if name == "fifo":
         return schedulers.FIFOScheduler()
     if name == "bohb":
-        from mtbert.tune.hyperband import HyperBandOnRungs
+        from mtbert.tune.schedulers import HyperBandOnRungs
         return HyperBandOnRungs(budget)
     if name in POPULATION_SCHEDULERS:
+        from mtbert.tune.schedulers import PB2ToTheEnd, PBTToTheEnd
         found = mutations(space, name)
-        # asynchronous (Ray's default): with more trials than run at once, Ray pauses a
-        # trial at each interval while others wait, so the population takes turns.
-        # synch=True hung in a smoke search: a trial left PAUSED for good once the other
-        # had finished (evaluations fall on the first step past each interval, not on it)
-        common = dict(time_attr="examples_seen", perturbation_interval=budget.eval_every,
-                      quantile_fraction=0.25, log_config=True)
+        # synch: the population is compared at the same examples seen.  With more trials
+        # than run at once they take turns; asynchronous PBT then compares the trial
+        # reporting with the others' earlier scores, which it nearly always beats (in a
+        # smoke search it never exploited once)
+        common = dict(budget=budget, quantile_fraction=0.25, log_config=True, synch=True)
         if name == "pb2":
-            from ray.tune.schedulers.pb2 import PB2
-            return PB2(hyperparam_bounds=found, **common)
+            return PB2ToTheEnd(hyperparam_bounds=found, **common)
         bounds = {k: (p.low, p.high) for k, p in space.searched.items()
                   if k in found and p.dist != "choice"}
-        return schedulers.PopulationBasedTraining(
-            hyperparam_mutations=found, resample_probability=0.25,
-            custom_explore_fn=_ClipToSpace(bounds), **common)
+        return PBTToTheEnd(hyperparam_mutations=found, resample_probability=0.25,
+                           custom_explore_fn=_ClipToSpace(bounds), **common)
     return schedulers.ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
                                     grace_period=budget.grace_period,
                                     reduction_factor=budget.reduction_factor)

@@ -32,6 +32,7 @@ from typing import Any
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
+from mtbert.tune.search import MUTABLE_KEYS
 from mtbert.tune.settings import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
@@ -168,10 +169,13 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     node_id = ray.get_runtime_context().get_node_id()  # which node ran it (the IP may be shared)
 
     startup: dict[str, float] = {}
+    # what PBT / PB2 may change between a trial's evaluations, as this run trains with it
+    # (MLflow params are written once, at the trial's start)
+    perturbable = {f"config/{k}": getattr(cfg, k) for k in MUTABLE_KEYS}
 
     def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
-        timing = {"time/entered_at": entered_at, **startup,
+        timing = {"time/entered_at": entered_at, **startup, **perturbable,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
         try:
