@@ -105,14 +105,10 @@ class SearchSettings:
 
 
 def run_fields(budget: Budget, scheduler: str) -> dict[str, Any]:
-    """The budget's run-length fields of every trial under ``scheduler``.  PBT / PB2
-    perturb trials every ``eval_every`` examples (their perturbation interval), so their
-    trials evaluate at that fixed interval (``eval_growth`` 1) rather than on ASHA's
-    geometric rungs: a perturbation acts on the report that reaches it."""
-    fields = budget.trial_fields()
-    if scheduler in POPULATION_SCHEDULERS:
-        fields["eval_growth"] = 1
-    return fields
+    """The budget's run-length fields of every trial; PBT / PB2 perturb every
+    ``eval_every`` examples, so their trials evaluate there (``eval_growth`` 1)."""
+    growth = {"eval_growth": 1} if scheduler in POPULATION_SCHEDULERS else {}
+    return {**budget.trial_fields(), **growth}
 
 
 def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:
