@@ -42,7 +42,8 @@ class MlflowTrialCallback(Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self._run_for(trial)
         metrics = {k: v for k, v in result.items()  # not time/entered_at: a clock reading
-                   if isinstance(k, str) and (k.startswith(("val/", "train/", "time/", "best/"))
+                   if isinstance(k, str) and (k.startswith(("val/", "train/", "time/", "best/",
+                                                                 "config/"))
                                               or k in RUN_KEYS) and not k.endswith("_at")}
         step = int(result.get("examples_seen", result.get("training_iteration", 0)))
         self.tracker.log_trial_result(trial.trial_id, metrics, step)

@@ -16,6 +16,7 @@ from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import MtbertError
 from mtbert.tune.budgets import BUDGETS
 from mtbert.tune.retention import KEEP_CHOICES
+from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
 from mtbert.tune.spaces import list_spaces
 
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = DriverArgumentParser(
         prog="python tune_driver.py",
         description="Hyperparameter search for multitask BERT (SST-5, QQP, STS-B) with Ray "
-                    "Tune (ASHA + Optuna TPE), MLflow tracking and a top-k ensemble.")
+                    "Tune (default: ASHA + Optuna TPE), MLflow tracking and a top-k ensemble.")
     p.add_argument("--space", help="search space: a name from search_spaces/ or a YAML path")
     p.add_argument("--list-spaces", action="store_true", help="list the search spaces and exit")
     p.add_argument("--data-dir", default=os.environ.get("MTBERT_DATA", "../shared/data"),
@@ -58,11 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per trial, fractions allowed; default: where the Ray cluster "
                         "has GPUs, several trials share each (the share from the model's "
                         "size and the GPU's memory, printed); 0 forces the CPUs")
-    p.add_argument("--search-alg", default="optuna", choices=["optuna", "random"],
-                   help="Optuna TPE (seeded) or random search (baseline)")
-    p.add_argument("--scheduler", default="asha", choices=["asha", "fifo"],
-                   help="asha: stop weak trials at the budget's rungs (default); fifo: every "
-                        "trial trains its whole budget (a baseline without early stopping)")
+    p.add_argument("--search-alg", default=None, choices=SEARCHERS,
+                   help="optuna: Optuna's TPE (seeded); optuna-mv: its multivariate TPE; "
+                        "random: random search (baseline); bohb: TuneBOHB (with --scheduler "
+                        "bohb). Default: bohb for --scheduler bohb, random for pbt / pb2, "
+                        f"else {DEFAULT_SEARCHER}")
+    p.add_argument("--scheduler", default=DEFAULT_SCHEDULER, choices=SCHEDULERS,
+                   help="asha: stop weak trials at the budget's rungs; fifo: every trial "
+                        "trains its whole budget (a baseline without early stopping); bohb: "
+                        "Hyperband for BOHB on the same rungs (pip install "
+                        "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
+                        "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
+                        f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER}")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
                    help="Ray results: a local folder (default ./ray_results) or, for a "

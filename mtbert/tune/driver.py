@@ -86,11 +86,13 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     view = share_runs_view(tracker, list(settings.space.searched))
     for line in ui_links(settings.mlflow_uri, tracker.experiment_id(), parent, view):
         print(f"[tune] MLflow {line}", flush=True)
-    evaluated = (f"evaluated at {budget.eval_every} x {budget.eval_growth:g}^k and the end"
-                 if budget.eval_growth > 1 else f"evaluated every {budget.eval_every}")
+    growth = settings.base["eval_growth"]
+    evaluated = (f"evaluated at {budget.eval_every} x {growth:g}^k and the end"
+                 if growth > 1 else f"evaluated every {budget.eval_every}")
     print(f"[tune] space {settings.space.name}: {', '.join(settings.space.searched)}; budget "
-          f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, ASHA grace "
-          f"{budget.grace_period} rf {budget.reduction_factor:g}; {settings.num_samples} "
+          f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, rungs grace "
+          f"{budget.grace_period} rf {budget.reduction_factor:g}; scheduler "
+          f"{settings.scheduler}, searcher {settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
     return tracker, parent
 

@@ -168,11 +168,13 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
 
 
 def _trial_id_of(result) -> str:
-    tid = (result.metrics or {}).get("trial_id")
-    if tid:
-        return str(tid)
+    """The trial's id from its folder (``trial_<id>``: search.trial_name); its last
+    metrics' ``trial_id`` can be another trial's: a trial PBT cloned from another's
+    checkpoint that ends without reporting again keeps the clone's last result."""
     name = Path(result.path).name
-    return name[len("trial_"):] if name.startswith("trial_") else name
+    if name.startswith("trial_"):
+        return name[len("trial_"):]
+    return str((result.metrics or {}).get("trial_id") or name)
 
 
 def _checkpoints(result) -> list[tuple[str, dict]]:

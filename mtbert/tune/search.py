@@ -1,21 +1,56 @@
 """The Ray Tune search itself: searcher, scheduler, the Tuner (new or restored), Ctrl-C.
 
-* searcher: Optuna TPE (Bergstra et al. 2011; seeded, random for the first trials)
-  behind a ``ConcurrencyLimiter``, or Ray's random search;
-* scheduler: ASHA (Li et al. 2020) on examples seen -- stops the weak trials at the
-  budget's rungs -- or FIFO (every trial trains its whole budget);
-* each trial keeps its 2 best checkpoints by the objective and its latest (what a
-  finished search keeps: retention.py); a trial whose worker died
-  is retried from its last checkpoint (``FailureConfig``).
+Searchers (``--search-alg``):
+
+* ``optuna``: Optuna's independent TPE (Bergstra et al. 2011; one density per key, seeded,
+  random for the first trials) behind a ``ConcurrencyLimiter``;
+* ``optuna-mv``: Optuna's multivariate TPE (Falkner et al. 2018: one joint density over
+  the keys, so interacting keys such as lr x batch size are modelled together);
+* ``random``: Ray's random search (``BasicVariantGenerator``), also the population of
+  PBT / PB2;
+* ``bohb``: ``TuneBOHB`` (Falkner et al. 2018: TPE-like kernel densities per budget).
+
+Schedulers (``--scheduler``), all on examples seen:
+
+* ``asha``: ASHA (Li et al. 2020) stops the weak trials at the budget's rungs;
+* ``fifo``: every trial trains its whole budget;
+* ``bohb``: ``HyperBandForBOHB`` (Hyperband brackets whose rungs are the budget's;
+  trials pause at a rung and resume from their checkpoint);
+* ``pbt`` / ``pb2``: population-based training (Jaderberg et al. 2017) / its GP-bandit
+  variant (Parker-Holder et al. 2020): at every evaluation the bottom quarter of the
+  running trials restart from a top trial's checkpoint with ``lr``, ``dropout`` and the
+  SMART lambdas (those the space samples) perturbed inside the space's ranges.
+
+``bohb`` only works as a pair (the scheduler tells the searcher which trials are
+paused); PBT / PB2 take their population from Ray's random search.  Each trial keeps its
+2 best checkpoints by the objective and its latest (what a finished search keeps:
+retention.py); a trial whose worker died is retried from its last checkpoint
+(``FailureConfig``).  Actors are reused between trials (``reuse_actors``; see
+trainable.py for how a stopped trial's thread ends then).
 """
 
 from __future__ import annotations
 
+import importlib
 import signal
 from typing import Any
 
+from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
 from mtbert.tune.records import MODE, OBJECTIVE
+
+#: the default search (issue 12: the benchmark bench/search_efficiency.py decides it)
+DEFAULT_SCHEDULER = "asha"
+DEFAULT_SEARCHER = "optuna"
+SCHEDULERS = ("asha", "fifo", "bohb", "pbt", "pb2")
+SEARCHERS = ("optuna", "optuna-mv", "random", "bohb")
+#: schedulers that perturb running trials (they need evaluations at a fixed interval)
+POPULATION_SCHEDULERS = ("pbt", "pb2")
+#: what PBT / PB2 perturb, where the space samples it; other keys are sampled once
+MUTABLE_KEYS = ("lr", "dropout", "smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts")
+#: a choice -> the modules it needs beyond the core install, and the extra that has them
+OPTIONAL_PACKAGES = {"bohb": (("hpbandster", "ConfigSpace"), "bohb"),
+                     "pb2": (("sklearn",), "pb2")}
 
 
 def trial_name(trial) -> str:
@@ -23,25 +58,123 @@ def trial_name(trial) -> str:
     return f"trial_{trial.trial_id}"
 
 
+# ---------------------------------------------------------------------- choices
+def resolve_search_alg(scheduler: str, search_alg: str | None) -> str:
+    """The searcher for ``--scheduler`` (``--search-alg`` left out: the one it works with),
+    or ConfigError naming both flags for a pair that does not work together."""
+    paired = {"bohb": "bohb", "pbt": "random", "pb2": "random"}.get(scheduler)
+    if search_alg is None:
+        return paired or DEFAULT_SEARCHER
+    if paired and search_alg != paired:
+        why = ("HyperBandForBOHB and TuneBOHB only work as a pair" if scheduler == "bohb"
+               else "population-based training perturbs trials Ray's random search started")
+        raise ConfigError(f"--scheduler {scheduler} needs --search-alg {paired} (or leave "
+                          f"--search-alg out), got --search-alg {search_alg}: {why}")
+    if search_alg == "bohb" and scheduler != "bohb":
+        raise ConfigError(f"--search-alg bohb needs --scheduler bohb, got --scheduler "
+                          f"{scheduler}: TuneBOHB and HyperBandForBOHB only work as a pair")
+    return search_alg
+
+
+def check_optional_packages(scheduler: str, search_alg: str) -> None:
+    """The packages the chosen scheduler and searcher import are installed; else one
+    ConfigError naming the extra to install (before Ray starts)."""
+    for flag, choice in (("--scheduler", scheduler), ("--search-alg", search_alg)):
+        modules, extra = OPTIONAL_PACKAGES.get(choice, ((), ""))
+        missing = []
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                missing.append(module)
+        if missing:
+            raise ConfigError(f"{flag} {choice} needs {', '.join(modules)} (missing: "
+                              f"{', '.join(missing)}): pip install 'mtbert-tune[{extra}]'")
+
+
+def mutations(space, scheduler: str) -> dict[str, Any]:
+    """What PBT / PB2 perturb: each of :data:`MUTABLE_KEYS` the space samples, over the
+    space's own values -- PBT: the list of choices (it moves to a neighbour) or the Ray
+    domain (x 0.8 / 1.2, clipped back into the range by :func:`clip_to_space`); PB2:
+    ``[low, high]`` of the ranges (its GP bandit is continuous; choices stay as sampled)."""
+    out: dict[str, Any] = {}
+    for key in MUTABLE_KEYS:
+        p = space.searched.get(key)
+        if p is None or p.dist == "randint":
+            continue
+        if scheduler == "pb2":
+            if p.dist != "choice":
+                out[key] = [p.low, p.high]
+        else:
+            out[key] = sorted(p.choices) if p.dist == "choice" else p.to_tune()
+    if not out:
+        what = "as a range" if scheduler == "pb2" else ""
+        raise ConfigError(f"--scheduler {scheduler}: the space {space.name} samples none of "
+                          f"{', '.join(MUTABLE_KEYS)} {what}: nothing to perturb (use "
+                          "--scheduler asha, or a space that searches them)".replace("  ", " "))
+    return out
+
+
+class _ClipToSpace:
+    """PBT's ``custom_explore_fn``: a perturbed range value is put back into the space's
+    [low, high] (x 1.2 of a dropout near the top would leave it; repeated, leave the valid
+    range).  A class, not a closure, so Ray can pickle the scheduler with the experiment."""
+
+    def __init__(self, bounds: dict[str, tuple[float, float]]):
+        self.bounds = bounds
+
+    def __call__(self, config: dict) -> dict:
+        for key, (low, high) in self.bounds.items():
+            if key in config:
+                config[key] = min(max(config[key], low), high)
+        return config
+
+
 def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int):
     if name == "random":
         from ray.tune.search.basic_variant import BasicVariantGenerator
         return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
+    if name == "bohb":
+        from ray.tune.search.bohb import TuneBOHB
+        # its own limit counts running trials only: a trial HyperBand paused at a rung
+        # frees its place (a ConcurrencyLimiter would count it and stall the bracket)
+        return TuneBOHB(seed=seed, max_concurrent=max_concurrent)
     import optuna
     from ray.tune.search import ConcurrencyLimiter
     from ray.tune.search.optuna import OptunaSearch
     startup = max(2, min(10, num_samples // 3))
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
+    # explicit: Optuna 5 makes TPE multivariate by default, Optuna 4 did not.  group=False:
+    # every trial samples the same keys (static spaces), where the group decomposition is
+    # one group, i.e. plain multivariate TPE (and an ExperimentalWarning)
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup,
+                                         multivariate=name == "optuna-mv", group=False)
     return ConcurrencyLimiter(OptunaSearch(sampler=sampler), max_concurrent=max_concurrent)
 
 
-def build_scheduler(name: str, budget: Budget):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+def build_scheduler(name: str, budget: Budget, space=None):
+    from ray.tune import schedulers
     if name == "fifo":
-        return FIFOScheduler()
-    return ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
-                         grace_period=budget.grace_period,
-                         reduction_factor=budget.reduction_factor)
+        return schedulers.FIFOScheduler()
+    if name == "bohb":
+        from mtbert.tune.schedulers import HyperBandOnRungs
+        return HyperBandOnRungs(budget)
+    if name in POPULATION_SCHEDULERS:
+        from mtbert.tune.schedulers import PB2ToTheEnd, PBTToTheEnd
+        found = mutations(space, name)
+        # synch: the population is compared at the same examples seen.  With more trials
+        # than run at once they take turns; asynchronous PBT then compares the trial
+        # reporting with the others' earlier scores, which it nearly always beats (in a
+        # smoke search it never exploited once)
+        common = dict(budget=budget, quantile_fraction=0.25, log_config=True, synch=True)
+        if name == "pb2":
+            return PB2ToTheEnd(hyperparam_bounds=found, **common)
+        bounds = {k: (p.low, p.high) for k, p in space.searched.items()
+                  if k in found and p.dist != "choice"}
+        return PBTToTheEnd(hyperparam_mutations=found, resample_probability=0.25,
+                           custom_explore_fn=_ClipToSpace(bounds), **common)
+    return schedulers.ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
+                                    grace_period=budget.grace_period,
+                                    reduction_factor=budget.reduction_factor)
 
 
 def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
@@ -58,15 +191,23 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=OBJECTIVE, mode=MODE, num_samples=settings.num_samples,
-            search_alg=build_searcher(settings.search_alg, settings.seed, max_concurrent,
-                                      settings.num_samples),
-            scheduler=build_scheduler(settings.scheduler, settings.budget),
+            # PBT's population is every trial at once (Ray runs as many as fit and pauses
+            # them in turn); a searcher's limit would shrink it to the trials running
+            search_alg=build_searcher(
+                settings.search_alg, settings.seed,
+                0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
+                settings.num_samples),
+            scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space),
+            reuse_actors=True,
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
             name=settings.experiment, storage_path=location.ray_storage,
+            # PBT / PB2 keep every checkpoint while they run: a trial restores another's
+            # latest checkpoint some time after PBT chose it, and by then a top-2 rule can
+            # have deleted it (Ray warns so); --keep-checkpoints prunes them at the end
             checkpoint_config=tune.CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute=OBJECTIVE,
-                checkpoint_score_order=MODE),
+                num_to_keep=None if settings.scheduler in POPULATION_SCHEDULERS else 2,
+                checkpoint_score_attribute=OBJECTIVE, checkpoint_score_order=MODE),
             failure_config=tune.FailureConfig(max_failures=settings.max_failures),
             callbacks=callbacks))
 

@@ -28,6 +28,8 @@ from mtbert.errors import ConfigError
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan
+from mtbert.tune.search import (POPULATION_SCHEDULERS, check_optional_packages, mutations,
+                                resolve_search_alg)
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
 
 SETTINGS_FILE = "mtbert_search.json"
@@ -72,7 +74,7 @@ class SearchSettings:
         """The settings with the budget's ``max_examples`` fixed by the loaded data."""
         budget = self.budget.resolved(total_train_rows)
         return dataclasses.replace(self, budget=budget,
-                                   base={**self.base, **budget.trial_fields()})
+                                   base={**self.base, **run_fields(budget, self.scheduler)})
 
     def with_resources(self, plan: ResourcePlan) -> "SearchSettings":
         """The settings with each trial's resources fixed for the connected cluster."""
@@ -100,6 +102,13 @@ class SearchSettings:
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
                 "mlflow_uri": self.mlflow_uri}
+
+
+def run_fields(budget: Budget, scheduler: str) -> dict[str, Any]:
+    """The budget's run-length fields of every trial; PBT / PB2 perturb every
+    ``eval_every`` examples, so their trials evaluate there (``eval_growth`` 1)."""
+    growth = {"eval_growth": 1} if scheduler in POPULATION_SCHEDULERS else {}
+    return {**budget.trial_fields(), **growth}
 
 
 def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:
@@ -131,6 +140,10 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         raise ConfigError("--space is required (see --list-spaces)")
     space = parse_space(saved["space"], saved["space_path"]) if saved else load_space(args.space)
     budget = get_budget(args.budget)
+    search_alg = resolve_search_alg(args.scheduler, args.search_alg)
+    check_optional_packages(args.scheduler, search_alg)
+    if args.scheduler in POPULATION_SCHEDULERS:
+        mutations(space, args.scheduler)  # the space samples something it can perturb
     num_samples = args.num_samples if args.num_samples is not None else budget.num_samples
     _check_numbers(args, num_samples)
     top_k = args.ensemble_top_k if args.ensemble_top_k is not None else budget.ensemble_top_k
@@ -162,7 +175,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         space=space, space_arg=args.space, budget=budget, num_samples=num_samples,
         top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
         mlflow_uri=mlflow_uri, mlflow_fallback=mlflow_fallback, base=base,
-        resume=bool(args.resume), search_alg=args.search_alg, scheduler=args.scheduler,
+        resume=bool(args.resume), search_alg=search_alg, scheduler=args.scheduler,
         seed=args.seed, cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
@@ -306,7 +319,7 @@ def _base_config(args: argparse.Namespace, budget: Budget, space: SearchSpace,
     base = {
         "model": model, "data_dir": str(data_dir.resolve()),
         "cache_dir": str(default_cache_dir("").resolve()),
-        **budget.data_fields(), **budget.trial_fields(),
+        **budget.data_fields(), **run_fields(budget, args.scheduler),
         "seed": args.seed, "progress": False, "eval_dev": False,
         "threads": max(1, int(args.cpus_per_trial)),
         "device": "auto" if args.gpus_per_trial != 0 else "cpu",  # fixed by with_resources

@@ -240,9 +240,9 @@ def _markdown(s: SearchSummary) -> str:
     c = s.counts
     lines = [f"# Search `{s.experiment}`", "",
              f"space `{s.space['name']}` ({s.space['description']}), budget "
-             f"`{s.budget['name']}`, search `{s.search_alg}` (seed {s.seed}), objective "
-             f"`{s.objective}` (max, validation split carved from train; dev is reported, "
-             "never used to select).", ""]
+             f"`{s.budget['name']}`, searcher `{s.search_alg}` (seed {s.seed}), scheduler "
+             f"`{s.scheduler}`, objective `{s.objective}` (max, validation split carved from "
+             "train; dev is reported, never used to select).", ""]
     if s.resources:
         r = s.resources
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
+from mtbert.tune.search import MUTABLE_KEYS
 from mtbert.tune.settings import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
@@ -105,17 +107,39 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
 
 
 def _wait_for_the_actor_to_exit(work: Path) -> None:
-    """Tune stopped this trial (ASHA): ``tune.report`` raised SystemExit(0) in the
-    trainer's checkpoint thread, which the trainer raised again in this thread (Ray's
-    runner thread) at its next step, and Ray ends the actor's process now.
-    Unwinding from here would free the model's tensors while the interpreter shuts down:
-    a thread taking the GIL back during ``Py_Finalize`` is ended by ``pthread_exit``, whose
-    forced unwind through libtorch's C++ frames calls ``std::terminate`` -- the SIGABRT
-    and backtrace seen in smoke searches (traced in ``THPVariable_dealloc``).  So nothing
-    is freed: the work folder goes (plain file calls), and the thread waits, holding
-    everything, until the process is gone."""
+    """Tune stopped this trial (ASHA) and ends the actor: ``tune.report`` raised
+    SystemExit(0) in the trainer's checkpoint thread, which the trainer raised again in
+    this thread (Ray's runner thread) at its next step, and Ray ends the actor's process
+    now without waiting for it.  Unwinding from here would free the model's tensors while
+    the interpreter shuts down: a thread taking the GIL back during ``Py_Finalize`` is
+    ended by ``pthread_exit``, whose forced unwind through libtorch's C++ frames calls
+    ``std::terminate`` -- the SIGABRT and backtrace seen in smoke searches (traced in
+    ``THPVariable_dealloc``).  So nothing is freed: the work folder goes (plain file
+    calls), and the thread waits, holding everything, until the process is gone.
+
+    Not so when Ray keeps the actor for another trial (``reuse_actors``): then it is in
+    ``FunctionTrainable.reset_config``, waiting (``TUNE_FUNCTION_THREAD_TIMEOUT_S``, 2 s)
+    for this thread to end -- a thread that never ends makes the reset fail and the next
+    trial error.  The process lives on, so unwinding is safe: SystemExit goes up and the
+    Trainer is freed as the stack unwinds."""
+    if _actor_is_being_reset():
+        raise SystemExit(0)
     shutil.rmtree(work, ignore_errors=True)
     threading.Event().wait()
+
+
+def _actor_is_being_reset() -> bool:
+    """Whether another thread of this process is in Ray's ``FunctionTrainable.reset_config``
+    (it set the stop event this thread woke up to, and waits there for it to end)."""
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        while ident != me and frame is not None:
+            code = frame.f_code
+            if code.co_name == "reset_config" and code.co_filename.endswith(
+                    "function_trainable.py"):
+                return True
+            frame = frame.f_back
+    return False
 
 
 def _mark_failed(marker: Path, reason: str) -> None:
@@ -147,10 +171,13 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     node_id = ray.get_runtime_context().get_node_id()  # which node ran it (the IP may be shared)
 
     startup: dict[str, float] = {}
+    # what PBT / PB2 may change between a trial's evaluations, as this run trains with it
+    # (MLflow params are written once, at the trial's start)
+    perturbable = {f"config/{k}": getattr(cfg, k) for k in MUTABLE_KEYS}
 
     def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
-        timing = {"time/entered_at": entered_at, **startup,
+        timing = {"time/entered_at": entered_at, **startup, **perturbable,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
         # on the trainer's checkpoint thread, once the checkpoint is written; a stop raises

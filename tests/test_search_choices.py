@@ -1,0 +1,241 @@
+"""The schedulers and searchers besides ASHA + TPE (issue 12): BOHB, PBT, PB2, Optuna's
+multivariate TPE.  Each runs a smoke search end to end (real local Ray, real SQLite
+MLflow, the tiny model and data, as tests/test_tune_driver.py); a pair that does not
+work together and a missing optional package are one ``error:`` line, exit 2, nothing
+written."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run_search(ray_session, tmp_path_factory, tiny_model_dir, tiny_data_dir):
+    """Run one smoke search with extra flags; its summary, MLflow runs and Ray's view."""
+    from mlflow import MlflowClient
+    from ray.tune import ExperimentAnalysis
+
+    from mtbert.tune.cli import main
+
+    def run(name: str, *flags: str, trials: int = 2) -> dict:
+        root = tmp_path_factory.mktemp(name)
+        storage, uri = root / "ray_results", f"sqlite:///{root / 'mlflow.db'}"
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+                       "--data-dir", tiny_data_dir, "--num-samples", str(trials),
+                       "--storage-path", str(storage), "--experiment", name,
+                       "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "2",
+                       "--keep-checkpoints", "all", *flags])
+        assert rc == 0
+        exp_dir = storage / name
+        client = MlflowClient(tracking_uri=uri)
+        runs = client.search_runs([client.get_experiment_by_name("mtbert/smoke").experiment_id])
+        return {"exp_dir": exp_dir, "client": client, "runs": runs,
+                "summary": json.loads((exp_dir / "summary.json").read_text()),
+                "ray": ExperimentAnalysis(str(exp_dir), default_metric="val/overall",
+                                          default_mode="max")}
+    return run
+
+
+def _assert_recorded(search: dict, scheduler: str, search_alg: str, trials: int) -> None:
+    """summary.json, summary.md and the MLflow parent run name the scheduler and searcher;
+    every trial has its MLflow run with one metric point per Ray result."""
+    s = search["summary"]
+    assert (s["scheduler"], s["search_alg"]) == (scheduler, search_alg)
+    assert s["counts"]["trials"] == trials and s["counts"]["errored"] == 0
+    assert s["best_trial"] is not None
+    markdown = (search["exp_dir"] / "summary.md").read_text()
+    assert f"`{search_alg}`" in markdown and f"`{scheduler}`" in markdown
+    saved = json.loads((search["exp_dir"] / "mtbert_search.json").read_text())["args"]
+    assert (saved["scheduler"], saved["search_alg"]) == (scheduler, search_alg)  # --resume
+    runs = search["runs"]
+    parent = next(r for r in runs if r.data.tags.get("kind") == "search")
+    assert parent.data.params["scheduler"] == scheduler
+    assert parent.data.params["search_alg"] == search_alg
+    children = {r.data.tags["trial_id"]: r for r in runs if r.data.tags.get("kind") == "trial"}
+    assert set(children) == {t.trial_id for t in search["ray"].trials}
+    client = search["client"]
+    for trial_id, df in search["ray"].trial_dataframes.items():
+        history = client.get_metric_history(children[trial_id].info.run_id, "val/overall")
+        # (a trial PBT restarted from another's checkpoint may rewrite Ray's rows)
+        assert set(df["examples_seen"]) <= {m.step for m in history}
+
+
+# ---------------------------------------------------------------------- end to end
+def test_bohb_search_runs_on_the_budgets_rungs(run_search):
+    search = run_search("bohb", "--scheduler", "bohb", trials=3)
+    _assert_recorded(search, "bohb", "bohb", 3)
+    # Hyperband's milestones are the budget's rungs (48, 144): a trial it stopped passed one
+    for t in search["summary"]["trials"]:
+        assert t["status"] in ("completed", "stopped_early")
+        assert t["examples_seen"] >= (192 if t["status"] == "completed" else 48)
+
+
+def test_optuna_multivariate_search(run_search):
+    _assert_recorded(run_search("optuna-mv", "--search-alg", "optuna-mv"),
+                     "asha", "optuna-mv", 2)
+
+
+def test_pb2_search_perturbs_within_the_space(run_search):
+    search = run_search("pb2", "--scheduler", "pb2")
+    _assert_recorded(search, "pb2", "random", 2)
+    for trial in search["ray"].trials:  # the smoke space's ranges (PB2 works in float32)
+        assert 1e-4 * (1 - 1e-6) <= trial.config["lr"] <= 5e-3 * (1 + 1e-6)
+        assert 0.0 <= trial.config["dropout"] <= 0.3 * (1 + 1e-6)
+
+
+def test_pbt_exploit_changes_lr_and_dropout(run_search):
+    """PBT with 2 trials taking turns on one slot (2 CPUs each: the order of reports, and
+    so PBT's decisions, are fixed): at an interval (48 examples) the worse trial restarts
+    from the better one's checkpoint with a perturbed lr and dropout; the change reaches
+    Ray's trial config, its MLflow history (config/*) and PBT's policy log."""
+    search = run_search("pbt", "--scheduler", "pbt", "--cpus-per-trial", "2")
+    _assert_recorded(search, "pbt", "random", 2)
+    exp_dir, client = search["exp_dir"], search["client"]
+    assert (exp_dir / "pbt_global.txt").read_text().strip(), "PBT logged no exploit"
+    children = {r.data.tags["trial_id"]: r for r in search["runs"]
+                if r.data.tags.get("kind") == "trial"}
+    changed = set()
+    for trial in search["ray"].trials:
+        run = children[trial.trial_id]
+        for key in ("lr", "dropout"):
+            history = sorted(client.get_metric_history(run.info.run_id, f"config/{key}"),
+                             key=lambda m: m.step)
+            assert history[-1].value == pytest.approx(trial.config[key])  # what it ended on
+            sampled = float(run.data.params[key])  # logged once, at the trial's start
+            if len({m.value for m in history}) > 1:
+                assert history[0].value == pytest.approx(sampled)
+                assert trial.config[key] != pytest.approx(sampled)
+                changed.add(key)
+            if key == "lr" and len({m.value for m in history}) > 1:
+                # the trainer trained at the perturbed lr (not the checkpoint's): at some
+                # evaluation after the exploit the reported lr is the new config's
+                actual = {m.step: m.value for m in client.get_metric_history(
+                    run.info.run_id, "train/lr")}
+                assert any(m.value != pytest.approx(sampled)
+                           and actual.get(m.step) == pytest.approx(m.value) for m in history)
+    assert changed == {"lr", "dropout"}
+    # every trial trained its whole budget (PBT stops none)
+    assert search["summary"]["counts"]["completed"] == 2
+
+
+# ---------------------------------------------------------------------- bad input
+def _argv(tmp_path, tiny_model_dir, tiny_data_dir, *flags):
+    return ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+            "--data-dir", tiny_data_dir, "--storage-path", str(tmp_path / "out"), *flags]
+
+
+def _assert_one_error(capsys, rc, tmp_path, *expected):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for text in expected:
+        assert text in err[0], err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--scheduler", "bohb", "--search-alg", "optuna"],
+     ["--scheduler bohb needs --search-alg bohb", "got --search-alg optuna"]),
+    (["--search-alg", "bohb"], ["--search-alg bohb needs --scheduler bohb",
+                                "got --scheduler asha"]),
+    (["--scheduler", "pbt", "--search-alg", "optuna"],
+     ["--scheduler pbt needs --search-alg random", "got --search-alg optuna"]),
+    (["--scheduler", "pb2", "--search-alg", "optuna-mv"],
+     ["--scheduler pb2 needs --search-alg random", "got --search-alg optuna-mv"]),
+])
+def test_a_mismatched_pair_is_one_error(tmp_path, capsys, tiny_model_dir, tiny_data_dir,
+                                        flags, expected):
+    from mtbert.tune.cli import main
+    rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, *flags))
+    _assert_one_error(capsys, rc, tmp_path, *expected)
+
+
+def test_pbt_needs_a_space_that_samples_what_it_perturbs(tmp_path, capsys, tiny_model_dir,
+                                                         tiny_data_dir):
+    from mtbert.tune.cli import main
+    space = tmp_path / "batch.yaml"
+    space.write_text("description: batch only\nparams:\n  batch_size: {choice: [8, 16]}\n")
+    argv = _argv(tmp_path, tiny_model_dir, tiny_data_dir, "--scheduler", "pbt")
+    argv[1] = str(space)
+    _assert_one_error(capsys, main(argv), tmp_path, "--scheduler pbt: the space batch "
+                      "samples none of lr, dropout")
+
+
+def test_missing_pb2_package_names_the_extra(tmp_path, capsys, monkeypatch, tiny_model_dir,
+                                             tiny_data_dir):
+    from mtbert.tune.cli import main
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` raises ImportError
+    rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, "--scheduler", "pb2"))
+    _assert_one_error(capsys, rc, tmp_path, "--scheduler pb2 needs sklearn (missing: "
+                      "sklearn): pip install 'mtbert-tune[pb2]'")
+
+
+def test_missing_bohb_package_names_the_extra(tmp_path, tiny_model_dir, tiny_data_dir):
+    """The real CLI in a process where hpbandster cannot be imported."""
+    argv = _argv(tmp_path, tiny_model_dir, tiny_data_dir, "--scheduler", "bohb")
+    code = ("import sys; sys.modules['hpbandster'] = None; "
+            "from mtbert.tune.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --scheduler bohb needs hpbandster, ConfigSpace (missing: hpbandster): "
+        "pip install 'mtbert-tune[bohb]'"]
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- settings
+@pytest.mark.parametrize("scheduler, growth", [("asha", 2), ("pbt", 1), ("pb2", 1),
+                                               ("bohb", 2)])
+def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model_dir,
+                                                            tiny_data_dir, scheduler, growth):
+    """The small budget evaluates on ASHA's rungs (x2); PBT / PB2 every 1,000 examples,
+    their perturbation interval: in the base config and once the budget is resolved."""
+    from mtbert.tune.cli import build_parser
+    from mtbert.tune.search import build_scheduler
+    from mtbert.tune.settings import resolve_settings
+    args = build_parser().parse_args(["--space", "smoke", "--budget", "small", "--model",
+                                      tiny_model_dir, "--data-dir", tiny_data_dir,
+                                      "--storage-path", str(tmp_path / "out"),
+                                      "--scheduler", scheduler])
+    settings = resolve_settings(args)
+    assert settings.base["eval_growth"] == growth
+    assert settings.resolved_for(3000).base["eval_growth"] == growth
+    assert settings.base["eval_every"] == 1000
+    if scheduler in ("pbt", "pb2"):
+        scheduler = build_scheduler(scheduler, settings.budget, settings.space)
+        assert scheduler.interval == 1000 and scheduler._perturbation_interval == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_hyperband_brackets_start_on_the_budgets_rungs():
+    """Every bracket's first milestone, in examples, is one of the budget's ASHA rungs."""
+    from mtbert.tune.budgets import BUDGETS
+    from mtbert.tune.schedulers import HyperBandOnRungs
+    for budget in BUDGETS.values():
+        budget = budget.resolved(100_000)
+        scheduler = HyperBandOnRungs(budget)
+        starts = [scheduler._get_r0(s) * budget.grace_period
+                  for s in range(scheduler._s_max_1)]
+        assert min(starts) == budget.grace_period, budget.name
+        assert set(starts) <= set(budget.rungs()), budget.name
