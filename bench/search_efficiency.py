@@ -48,6 +48,10 @@ sys.path.insert(0, str(REPO))
 from mtbert.tune.records import MODE, OBJECTIVE  # noqa: E402
 
 
+DROPOUTS = (0.1, 0.2, 0.3, 0.4, 0.5)
+LAMBDAS = (1.0, 5.0)
+
+
 @dataclass(frozen=True)
 class Method:
     label: str
@@ -58,47 +62,69 @@ class Method:
 METHODS = {
     "grid": Method("(a) grid, full budget", "fifo", "grid"),
     "random": Method("(b) random, full budget", "fifo", "random"),
-    "asha_tpe": Method("ASHA + TPE", "asha", "optuna"),
+    # Optuna 5's TPESampler is multivariate unless told otherwise: what ``optuna`` ran
+    # until the searchers became explicit choices
+    "asha_tpe": Method("ASHA + multivariate TPE", "asha", "optuna-mv"),
+    "asha_tpe_indep": Method("ASHA + independent TPE", "asha", "optuna"),
+    "bohb": Method("BOHB (HyperBand + TuneBOHB)", "bohb", "bohb"),
+    "pbt": Method("PBT", "pbt", "random"),
 }
-#: the driver's default pair, as measured here
-DEFAULT_METHOD = "asha_tpe"
-DROPOUTS = (0.1, 0.2, 0.3, 0.4, 0.5)
-LAMBDAS = (1.0, 5.0)
+
+
+def _default_method() -> str:
+    from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER
+    return next(k for k, m in METHODS.items()
+                if (m.scheduler, m.searcher) == (DEFAULT_SCHEDULER, DEFAULT_SEARCHER))
+
+
+#: the driver's default pair
+DEFAULT_METHOD = _default_method()
 #: settings a run kept in runs.json must share with this call to be compared
 SAME = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
         "warmup_examples", "trials", "model")
+#: the space every automatic search samples (the driver's YAML format)
+SPACE = {"description": "report 004's knobs",
+         "params": {"dropout": {"uniform": [min(DROPOUTS), max(DROPOUTS)]},
+                    "smart_lambda_sst": {"uniform": [min(LAMBDAS), max(LAMBDAS)]}}}
 
 
 def bench_budget(args, method: Method):
-    """The driver's Budget for this bench: ASHA's rungs at full/9, full/3, full."""
+    """The driver's Budget for this bench: ASHA's rungs at full/9, full/3, full; grid and
+    random score once at the end; PBT compares its population every full/6 examples."""
     from mtbert.tune.budgets import Budget
     grace = args.full_examples // 9
-    full_only = method.scheduler == "fifo"
+    every = {"fifo": args.full_examples, "pbt": args.full_examples // 6}.get(method.scheduler,
+                                                                            grace)
     return Budget("bench", "search_efficiency", max_examples=args.full_examples, epochs=100,
-                  eval_every=args.full_examples if full_only else grace,
-                  eval_growth=1 if full_only else 3, grace_period=grace, reduction_factor=3,
-                  warmup_examples=args.warmup_examples, max_train_per_task=args.train_rows,
-                  max_eval_per_task=args.eval_rows, num_samples=args.trials, ensemble_top_k=1)
+                  eval_every=every, eval_growth=3 if every == grace else 1, grace_period=grace,
+                  reduction_factor=3, warmup_examples=args.warmup_examples,
+                  max_train_per_task=args.train_rows, max_eval_per_task=args.eval_rows,
+                  num_samples=args.trials, ensemble_top_k=1)
 
 
 def search_setup(name: str, args, seed: int):
-    """(param_space, TuneConfig kwargs, budget) of one method."""
+    """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
     from ray import tune
 
-    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.search import POPULATION_SCHEDULERS, build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
     method = METHODS[name]
     budget = bench_budget(args, method)
-    n_grid = len(DROPOUTS) * len(LAMBDAS)
+    space = parse_space(SPACE, "bench/search_efficiency.py")
     if method.searcher == "grid":
-        space = {"dropout": tune.grid_search(list(DROPOUTS)),
-                 "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
-        return space, dict(num_samples=1, scheduler=build_scheduler("fifo", budget),
-                           search_alg=build_searcher("random", seed, args.workers, 1)), budget
-    space = {"dropout": tune.uniform(min(DROPOUTS), max(DROPOUTS)),
-             "smart_lambda_sst": tune.uniform(min(LAMBDAS), max(LAMBDAS))}
-    n = n_grid if method.scheduler == "fifo" else args.trials
-    return space, dict(num_samples=n, scheduler=build_scheduler(method.scheduler, budget),
-                       search_alg=build_searcher(method.searcher, seed, args.workers, n)), budget
+        grid = {"dropout": tune.grid_search(list(DROPOUTS)),
+                "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
+        return grid, dict(num_samples=1, scheduler=build_scheduler("fifo", budget),
+                          search_alg=build_searcher("random", seed, args.workers, 1)), budget
+    population = method.scheduler in POPULATION_SCHEDULERS
+    n = {"fifo": len(DROPOUTS) * len(LAMBDAS)}.get(
+        method.scheduler, args.population if population else args.trials)
+    # PBT: every trial of the population is in the searcher's hands (Ray's resources
+    # bound how many train at once), as the driver does
+    searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n)
+    return space.param_space(), dict(
+        num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space),
+        search_alg=searcher), budget
 
 
 def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> dict:
@@ -106,8 +132,13 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
 
     from mtbert.tune.search import trial_name
     from mtbert.tune.trainable import train_trial
+    from mtbert.tune.search import POPULATION_SCHEDULERS
+    from mtbert.tune.settings import run_fields
     space, tune_kwargs, budget = search_setup(name, args, seed)
-    trial_base = {**base, **budget.trial_fields(), "seed": seed, "eval_at_start": False}
+    trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
+                  "eval_at_start": False}
+    # PBT restores a trial from another's checkpoint some time after choosing it: all kept
+    keep = None if METHODS[name].scheduler in POPULATION_SCHEDULERS else 1
     trainable = tune.with_resources(
         tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
     tuner = tune.Tuner(
@@ -117,7 +148,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
                                     trial_dirname_creator=trial_name, **tune_kwargs),
         run_config=tune.RunConfig(name=f"{name}-seed{seed}", storage_path=str(storage),
                                   verbose=1, checkpoint_config=tune.CheckpointConfig(
-                                      num_to_keep=1, checkpoint_score_attribute=OBJECTIVE,
+                                      num_to_keep=keep, checkpoint_score_attribute=OBJECTIVE,
                                       checkpoint_score_order=MODE)))
     started = time.time()
     grid = tuner.fit()
@@ -309,6 +340,7 @@ def parse_args(argv):
     p.add_argument("--eval-rows", type=int, default=300, help="validation/dev rows per task")
     p.add_argument("--trials", type=int, default=9,
                    help="configurations per automatic search (9, 3, 1 over the 3 rungs)")
+    p.add_argument("--population", type=int, default=4, help="PBT's population")
     p.add_argument("--lr", type=float, default=1.5e-4,
                    help="fixed for every trial (the small search's best lr: at the default "
                         "5e-5 a 2,000-example budget barely moves MiniLM off chance)")

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mtbert.tune.search import DEFAULT_SEARCHER
+
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 6
 
@@ -227,7 +229,7 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
     assert parent.info.run_id == s["mlflow"]["parent_run_id"]
     assert parent.info.status == "FINISHED"
     assert parent.data.params["space"] == "smoke" and parent.data.params["budget"] == "smoke"
-    assert parent.data.params["seed"] == "0" and parent.data.params["search_alg"] == "optuna"
+    assert parent.data.params["seed"] == "0" and parent.data.params["search_alg"] == DEFAULT_SEARCHER
     assert parent.data.tags["best_trial_id"] == s["best_trial"]["trial_id"]
     assert parent.data.metrics["best/val/overall"] == pytest.approx(
         s["best_trial"]["val"]["val/overall"])
