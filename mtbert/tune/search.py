@@ -25,7 +25,8 @@ Schedulers (``--scheduler``), all on examples seen:
 paused); PBT / PB2 take their population from Ray's random search.  Each trial keeps its
 2 best checkpoints by the objective and its latest (what a finished search keeps:
 retention.py); a trial whose worker died is retried from its last checkpoint
-(``FailureConfig``).  Actors are reused between trials (``reuse_actors``; see
+(``FailureConfig``).  Actors are reused between trials (``reuse_actors``, not with the
+schedulers that pause trials; see
 trainable.py for how a stopped trial's thread ends then).
 """
 
@@ -47,6 +48,8 @@ SCHEDULERS = ("asha", "fifo", "bohb", "pbt", "pb2")
 SEARCHERS = ("optuna", "optuna-mv", "random", "bohb")
 #: schedulers that perturb running trials (they need evaluations at a fixed interval)
 POPULATION_SCHEDULERS = ("pbt", "pb2")
+#: schedulers that pause trials and resume them from their checkpoints (no actor reuse)
+PAUSING_SCHEDULERS = ("bohb", *POPULATION_SCHEDULERS)
 #: what PBT / PB2 perturb, where the space samples it; other keys are sampled once
 MUTABLE_KEYS = ("lr", "dropout", "smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts")
 #: a choice -> the modules it needs beyond the core install, and the extra that has them
@@ -199,7 +202,10 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples),
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space),
-            reuse_actors=True,
+            # not with the schedulers that pause trials and resume them from checkpoints:
+            # a PBT smoke search (2 trials taking turns on one slot) hung in a clean-clone
+            # CI run with actors reused, every actor gone and Tune waiting on one
+            reuse_actors=settings.scheduler not in PAUSING_SCHEDULERS,
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
             name=settings.experiment, storage_path=location.ray_storage,
