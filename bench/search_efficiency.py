@@ -182,20 +182,10 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
 
 def dev_score(checkpoint_dir: str, data) -> dict:
     """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
-    import torch
-
-    from mtbert.data import encoding_for
-    from mtbert.metrics import split_metrics, task_metrics
-    from mtbert.tasks import TASK_NAMES
-    from mtbert.trainer import as_label, load_checkpoint_model, predict_split
-    cfg, model = load_checkpoint_model(checkpoint_dir)
-    per_task = {}
-    for task in TASK_NAMES:
-        split = data.split(task, "dev")
-        pred = predict_split(model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
-                             cfg.eval_batch_size, torch.device("cpu"))
-        per_task[task] = task_metrics(task, as_label(task, pred), split.labels)
-    m = split_metrics("dev", per_task)
+    from mtbert.trainer import as_label
+    from mtbert.tune.finalists import predict_member, score_split
+    preds = predict_member(checkpoint_dir, data, splits=("dev",))["dev"]
+    m = score_split(data, "dev", {t: as_label(t, p) for t, p in preds.items()})
     return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
 
 

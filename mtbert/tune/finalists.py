@@ -20,8 +20,9 @@ import numpy as np
 SPLITS = ("val", "dev", "test")
 
 
-def predict_member(checkpoint_dir: str, data, device: str = "cpu") -> dict[str, dict[str, np.ndarray]]:
-    """{split: {task: raw prediction}} of one best checkpoint on val, dev and test."""
+def predict_member(checkpoint_dir: str, data, device: str = "cpu",
+                   splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, np.ndarray]]:
+    """{split: {task: raw prediction}} of one best checkpoint on ``splits`` (val, dev, test)."""
     import torch
 
     from mtbert.data import encoding_for
@@ -31,7 +32,7 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu") -> dict[str, 
     cfg, model = load_checkpoint_model(checkpoint_dir, device=device)
     dev = torch.device(device)
     out: dict[str, dict[str, np.ndarray]] = {}
-    for split_name in SPLITS:
+    for split_name in splits:
         out[split_name] = {}
         for task in TASK_NAMES:
             split = data.split(task, split_name)
