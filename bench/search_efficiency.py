@@ -278,6 +278,62 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict:
     return out
 
 
+def grid_analysis(grids: dict[int, dict]) -> dict | None:
+    """What decides the grid, from its runs over the seeds: how alike the seeds rank the
+    configurations (Spearman), the mean score per dropout, lambda_s's effect (lambda 5
+    minus lambda 1 at the same dropout and seed), a one-way ANOVA over the
+    configurations, and the sd left after the configuration and seed effects (two-way
+    additive model).  None with fewer than 2 complete seeds."""
+    import numpy as np
+    from scipy import stats
+    scores: dict[tuple, dict[int, float]] = {}
+    for seed, run in grids.items():
+        for t in run["trials"]:
+            key = (t["config"]["dropout"], t["config"]["smart_lambda_sst"])
+            scores.setdefault(key, {})[seed] = t["best_val"]
+    seeds = sorted(s for s in grids if all(s in by_seed for by_seed in scores.values()))
+    if len(seeds) < 2 or len(scores) < 3:
+        return None
+    configs = sorted(scores)
+    m = np.array([[scores[c][s] for s in seeds] for c in configs])  # configs x seeds
+    resid = m - m.mean(1, keepdims=True) - m.mean(0, keepdims=True) + m.mean()
+    dof = (m.shape[0] - 1) * (m.shape[1] - 1)
+    anova = stats.f_oneway(*m)
+    diffs = [scores[(d, max(LAMBDAS))][s] - scores[(d, min(LAMBDAS))][s]
+             for d in DROPOUTS for s in seeds
+             if (d, max(LAMBDAS)) in scores and (d, min(LAMBDAS)) in scores]
+    return {
+        "seeds": seeds,
+        "spearman_between_seeds": [
+            {"seeds": [a, b], "rho": float(stats.spearmanr(m[:, i], m[:, j]).statistic)}
+            for i, a in enumerate(seeds) for j, b in enumerate(seeds) if i < j],
+        "mean_val_by_dropout": {str(d): float(np.mean([scores[c][s] for c in configs
+                                                       if c[0] == d for s in seeds]))
+                                for d in sorted({c[0] for c in configs})},
+        "lambda_effect": {"mean": float(np.mean(diffs)) if diffs else None,
+                          "max_abs": float(np.max(np.abs(diffs))) if diffs else None},
+        "anova_configs": {"F": float(anova.statistic), "p": float(anova.pvalue)},
+        "residual_sd": float(np.sqrt((resid ** 2).sum() / dof)),
+        "best_config_per_seed": {str(s): list(max(configs, key=lambda c: scores[c][s]))
+                                 for s in seeds},
+    }
+
+
+def first_rung_spread(run: dict) -> dict | None:
+    """Scores of a run's trials at their first evaluation: the spread (max - min) against
+    the standard error of one evaluation (the median trial's, at its best evaluation); a
+    spread within it means the first cut is random."""
+    firsts = [min(t["reports"], key=lambda r: r["examples"]) for t in run["trials"]
+              if t["reports"]]
+    if len(firsts) < 2:
+        return None
+    scores = [r["score"] for r in firsts]
+    ses = [t["best_val_se"] for t in run["trials"] if t.get("best_val_se") is not None]
+    return {"examples": statistics.median(r["examples"] for r in firsts),
+            "spread": max(scores) - min(scores),
+            "val_se": statistics.median(ses) if ses else None}
+
+
 def _fmt(stat: dict, digits: int = 2) -> str:
     if stat["mean"] is None:
         return f"never ({stat.get('reached', 0)}/{stat['n']})"
@@ -426,6 +482,22 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     runs = {m: runs[m] for m in METHODS if m in runs}
     summary = summarise(runs)
     print_table(summary)
+    analysis = grid_analysis(runs.get("grid", {}))
+    if analysis:
+        rhos = ", ".join(f"{r['rho']:.2f}" for r in analysis["spearman_between_seeds"])
+        by_d = ", ".join(f"{d}: {v:.3f}" for d, v in analysis["mean_val_by_dropout"].items())
+        print(f"\ngrid over seeds {analysis['seeds']}: Spearman between seeds {rhos}; mean val "
+              f"by dropout {by_d}; lambda 5 - 1: mean {analysis['lambda_effect']['mean']:+.4f}"
+              f", max |.| {analysis['lambda_effect']['max_abs']:.4f}; ANOVA over configurations"
+              f" F {analysis['anova_configs']['F']:.1f}, p {analysis['anova_configs']['p']:.1g};"
+              f" residual sd {analysis['residual_sd']:.4f}")
+    for name, by_seed in runs.items():
+        for seed, run in sorted(by_seed.items()):
+            f = first_rung_spread(run) if name != "grid" else None
+            if f:
+                print(f"{name} seed {seed}: first evaluation at {f['examples']:.0f} examples, "
+                      f"scores spread {f['spread']:.4f} (a trial's se at its best "
+                      f"evaluation, median: {f['val_se'] or float('nan'):.4f})")
     default = summary.get(DEFAULT_METHOD, {})
     result = {
         "commands": sorted({r.get("command", "?") for by_seed in runs.values()
@@ -438,6 +510,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
                     **{k: default[k]["mean"] for k in FIGURES if k in default},
                     "sd": {k: default[k]["sd"] for k in FIGURES if k in default}},
         "methods": summary,
+        "grid_analysis": grid_analysis(runs.get("grid", {})),
+        "first_rung": {name: {str(seed): first_rung_spread(run) for seed, run in by_seed.items()}
+                       for name, by_seed in runs.items() if name != "grid"},
         "targets": {"examples_to_grid_best_ratio": "<= 1/3", "wall_vs_one_training": "<= 2",
                     "selected_dev": ">= the grid's selected dev - its standard error"}}
     docs.mkdir(parents=True, exist_ok=True)

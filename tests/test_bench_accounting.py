@@ -86,6 +86,52 @@ def test_seed_figures_against_the_grid_and_means_over_seeds(se):
     assert summary["asha_tpe"]["selected_dev"]["sd"] == pytest.approx(0.0636, abs=1e-4)
 
 
+def _grid_run(seed: int, score) -> dict:
+    return {"seed": seed, "trials": [
+        {"config": {"dropout": d, "smart_lambda_sst": lam}, "best_val": score(d, lam, seed)}
+        for d in (0.1, 0.2, 0.3, 0.4, 0.5) for lam in (1.0, 5.0)]}
+
+
+def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
+    """Scores that fall with dropout, a seed offset, a fixed lambda effect and a small
+    interaction: the analysis finds the ranking alike over seeds, the per-dropout means,
+    lambda's effect exactly, and the interaction as the residual."""
+    wobble = {0: 0.004, 1: -0.004, 2: 0.0}
+    def score(d, lam, seed):
+        return 0.7 - 0.5 * d + 0.01 * seed + (0.002 if lam == 5.0 else 0.0) + (
+            wobble[seed] if d == 0.3 else 0.0)
+    a = se.grid_analysis({s: _grid_run(s, score) for s in (0, 1, 2)})
+    assert a["seeds"] == [0, 1, 2]
+    assert all(r["rho"] == pytest.approx(1.0) for r in a["spearman_between_seeds"])
+    assert len(a["spearman_between_seeds"]) == 3
+    assert a["mean_val_by_dropout"]["0.1"] == pytest.approx(0.7 - 0.05 + 0.01 + 0.001)
+    assert a["lambda_effect"]["mean"] == pytest.approx(0.002)
+    assert a["lambda_effect"]["max_abs"] == pytest.approx(0.002)
+    assert a["anova_configs"]["p"] < 1e-6
+    assert 0 < a["residual_sd"] < 0.004
+    assert a["best_config_per_seed"]["0"] == [0.1, 5.0]
+    # scores that do not depend on the configuration: no shared ranking, no effect
+    noise = {(d, lam, s): v for (d, lam, s), v in zip(
+        [(d, lam, s) for s in (0, 1, 2) for d in (0.1, 0.2, 0.3, 0.4, 0.5) for lam in (1.0, 5.0)],
+        __import__("numpy").random.default_rng(0).normal(0.6, 0.01, 30))}
+    b = se.grid_analysis({s: _grid_run(s, lambda d, lam, s_: noise[(d, lam, s_)])
+                          for s in (0, 1, 2)})
+    assert b["anova_configs"]["p"] > 0.05
+    assert se.grid_analysis({0: _grid_run(0, score)}) is None  # one seed: nothing to compare
+
+
+def test_first_rung_spread(se):
+    run = {"trials": [
+        {"best_val_se": 0.02, "reports": [{"examples": 224, "score": 0.41},
+                                          {"examples": 672, "score": 0.5}]},
+        {"best_val_se": 0.01, "reports": [{"examples": 220, "score": 0.43}]},
+        {"reports": []}]}
+    f = se.first_rung_spread(run)
+    assert f["spread"] == pytest.approx(0.02) and f["examples"] == 222
+    assert f["val_se"] == pytest.approx(0.015)
+    assert se.first_rung_spread({"trials": run["trials"][:1]}) is None
+
+
 def test_overhead_trial_split_adds_up_to_the_wall_time():
     oh = load("overhead")
     reports = [{"pid": 7, "timestamp": 160, "examples_seen": 500, "time/entered_at": 103.0,
