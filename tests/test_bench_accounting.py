@@ -120,6 +120,17 @@ def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
     assert se.grid_analysis({0: _grid_run(0, score)}) is None  # one seed: nothing to compare
 
 
+def test_bench_budget_puts_the_rungs_where_the_method_says(se):
+    import argparse
+    args = argparse.Namespace(full_examples=2000, warmup_examples=96, train_rows=1000,
+                              eval_rows=300, trials=9)
+    assert se.bench_budget(args, se.METHODS["asha_tpe"]).rungs() == [222, 666, 1998]
+    late = se.bench_budget(args, se.METHODS["asha_tpe_late"])
+    assert late.grace_period == 666 and late.rungs() == [666, 1998]
+    assert se.bench_budget(args, se.METHODS["grid"]).eval_every == 2000
+    assert se.DEFAULT_METHOD == "asha_tpe"  # the driver's pair with the standard rungs
+
+
 def test_first_rung_spread(se):
     run = {"trials": [
         {"best_val_se": 0.02, "reports": [{"examples": 224, "score": 0.41},
