@@ -114,10 +114,21 @@ def rescore_search(exp_dir: Path, data) -> dict:
     from mtbert.metrics import scalar_metrics
     from mtbert.tune import finalists
     summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
-    checkpoints = {t["trial_id"]: t["best_checkpoint"] for t in summary["trials"]
-                   if t.get("best_checkpoint")}
+    # a finished search keeps (--keep-checkpoints best, the default) only the exported
+    # weights of its best trial and ensemble members in models/ID; same files as a
+    # checkpoint's, without the training state
+    kept = summary.get("models") or {}
+    checkpoints = {t["trial_id"]: kept.get(t["trial_id"]) or t["best_checkpoint"]
+                   for t in summary["trials"] if kept.get(t["trial_id"]) or t.get("best_checkpoint")}
     ens = summary.get("ensemble") or {}
-    members = ens.get("candidates") or [summary["best_trial"]["trial_id"]]
+    candidates = ens.get("candidates") or [summary["best_trial"]["trial_id"]]
+    # candidates the ensemble did not select have no weights left after a pruned search
+    members = [tid for tid in candidates
+               if tid in checkpoints and (Path(checkpoints[tid]) / "heads.safetensors").is_file()]
+    if len(members) < len(candidates):
+        print(f"[quality] weights gone (not kept by the search) for "
+              f"{sorted(set(candidates) - set(members))}: both ensembles are rebuilt from "
+              f"{members}", flush=True)
     preds = {}
     for tid in members:
         t0 = time.perf_counter()

@@ -174,6 +174,25 @@ def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(sear
         np.testing.assert_allclose(pred, table[column], rtol=0, atol=1e-6, err_msg=task)
 
 
+def test_quality_bench_rescores_a_pruned_search(search):
+    """bench/quality.py re-scores a search finished with the default --keep-checkpoints
+    best (its trials' checkpoints gone, the kept models in models/ID): on the tiny data
+    the search already scored every dev row, so the figures must agree."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_quality", REPO / "bench" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    s, exp_dir = search["summary"], search["exp_dir"]
+    assert not list(exp_dir.rglob("state.pt"))
+    best = s["best_trial"]
+    data = quality.load_full_data(best["config"], best["config"]["data_dir"])
+    result = quality.rescore_search(exp_dir, data)
+    assert result["best_trial"] == best["trial_id"]
+    assert result["candidates"][0] == best["trial_id"]
+    for key in ("sst_acc", "qqp_acc", "sts_corr", "overall"):
+        assert result["best"]["dev"][key] == pytest.approx(best["dev"][f"dev/{key}"], abs=1e-9), key
+
+
 def test_resume_of_a_pruned_search_is_refused(search):
     out = subprocess.run([sys.executable, "tune_driver.py", "--resume", "--experiment",
                           "smoke-test", "--storage-path", str(search["exp_dir"].parent)],
