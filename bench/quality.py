@@ -112,19 +112,20 @@ def zero_shot(data) -> dict[str, dict[str, float]]:
 def rescore_search(exp_dir: Path, data) -> dict:
     """Best trial and ensemble of the search in ``exp_dir`` on every val/dev row."""
     from mtbert.metrics import scalar_metrics
+    from mtbert.model_files import HEADS_FILE
     from mtbert.tune import finalists
     summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
     # a finished search keeps (--keep-checkpoints best, the default) only the exported
-    # weights of its best trial and ensemble members in models/ID; same files as a
-    # checkpoint's, without the training state
+    # weights of its best trial and ensemble members in models/ID: a checkpoint's weight
+    # files without the training state
     kept = summary.get("models") or {}
-    checkpoints = {t["trial_id"]: kept.get(t["trial_id"]) or t["best_checkpoint"]
-                   for t in summary["trials"] if kept.get(t["trial_id"]) or t.get("best_checkpoint")}
+    checkpoints = {t["trial_id"]: kept.get(t["trial_id"]) or t.get("best_checkpoint")
+                   for t in summary["trials"]}
     ens = summary.get("ensemble") or {}
     candidates = ens.get("candidates") or [summary["best_trial"]["trial_id"]]
     # candidates the ensemble did not select have no weights left after a pruned search
     members = [tid for tid in candidates
-               if tid in checkpoints and (Path(checkpoints[tid]) / "heads.safetensors").is_file()]
+               if checkpoints.get(tid) and (Path(checkpoints[tid]) / HEADS_FILE).is_file()]
     if len(members) < len(candidates):
         print(f"[quality] weights gone (not kept by the search) for "
               f"{sorted(set(candidates) - set(members))}: both ensembles are rebuilt from "

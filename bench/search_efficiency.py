@@ -490,6 +490,8 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     summary = summarise(runs)
     print_table(summary)
     analysis = grid_analysis(runs.get("grid", {}))
+    first_rungs = {name: {seed: first_rung_spread(run) for seed, run in sorted(by_seed.items())}
+                   for name, by_seed in runs.items() if name != "grid"}
     if analysis:
         rhos = ", ".join(f"{r['rho']:.2f}" for r in analysis["spearman_between_seeds"])
         by_d = ", ".join(f"{d}: {v:.3f}" for d, v in analysis["mean_val_by_dropout"].items())
@@ -498,9 +500,8 @@ def write_figures(args, runs: dict, docs: Path) -> None:
               f", max |.| {analysis['lambda_effect']['max_abs']:.4f}; ANOVA over configurations"
               f" F {analysis['anova_configs']['F']:.1f}, p {analysis['anova_configs']['p']:.1g};"
               f" residual sd {analysis['residual_sd']:.4f}")
-    for name, by_seed in runs.items():
-        for seed, run in sorted(by_seed.items()):
-            f = first_rung_spread(run) if name != "grid" else None
+    for name, by_seed in first_rungs.items():
+        for seed, f in by_seed.items():
             if f:
                 print(f"{name} seed {seed}: first evaluation at {f['examples']:.0f} examples, "
                       f"scores spread {f['spread']:.4f} (a trial's se at its best "
@@ -517,9 +518,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
                     **{k: default[k]["mean"] for k in FIGURES if k in default},
                     "sd": {k: default[k]["sd"] for k in FIGURES if k in default}},
         "methods": summary,
-        "grid_analysis": grid_analysis(runs.get("grid", {})),
-        "first_rung": {name: {str(seed): first_rung_spread(run) for seed, run in by_seed.items()}
-                       for name, by_seed in runs.items() if name != "grid"},
+        "grid_analysis": analysis,
+        "first_rung": {name: {str(seed): f for seed, f in by_seed.items()}
+                       for name, by_seed in first_rungs.items()},
         "targets": {"examples_to_grid_best_ratio": "<= 1/3", "wall_vs_one_training": "<= 2",
                     "selected_dev": ">= the grid's selected dev - its standard error"}}
     docs.mkdir(parents=True, exist_ok=True)

@@ -86,18 +86,16 @@ def _metric_points(db: Path, run_id: str, key: str = "val/overall") -> list[int]
             "select step from metrics where run_uuid=? and key=? order by step", (run_id, key))]
 
 
-def _snapshot_time(exp_dir: Path) -> float:
-    times = [p.stat().st_mtime for p in exp_dir.glob("experiment_state-*.json")]
-    return max(times, default=0.0)
+def _newest_snapshot(exp_dir: Path) -> Path | None:
+    """Tune's newest experiment snapshot (``experiment_state-*.json``), if any."""
+    return max(exp_dir.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime,
+               default=None)
 
 
-def _snapshot_names(exp_dir: Path, trial_ids) -> bool:
-    """Whether Tune's newest experiment snapshot lists all these trials (by their ids)."""
-    snapshots = sorted(exp_dir.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
-    if not snapshots:
-        return False
+def _snapshot_names(snapshot: Path, trial_ids) -> bool:
+    """Whether this snapshot lists all these trials (by their ids)."""
     try:
-        text = snapshots[-1].read_text()
+        text = snapshot.read_text()
     except OSError:  # replaced while read
         return False
     return all(f'\\"trial_id\\": \\"{t}\\"' in text for t in trial_ids)
@@ -252,9 +250,9 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
                 # ... and that snapshot lists the running trials: a trial started after it
                 # (possible within 0.4 s with a tiny model; seen in one CI run) is unknown to
                 # the restored search, and its run is closed as orphaned (checked below)
-                exp_dir = storage / "driver-loss"
-                fresh = time.time() - _snapshot_time(exp_dir) < 0.4
-                return (done, busy) if fresh and _snapshot_names(exp_dir, busy) else None
+                snapshot = _newest_snapshot(storage / "driver-loss")
+                fresh = snapshot and time.time() - snapshot.stat().st_mtime < 0.4
+                return (done, busy) if fresh and _snapshot_names(snapshot, busy) else None
             done, busy = _wait_for(finished_and_running, driver, 150,
                                    "one trial finished and another running", poll=0.1)
             before = {t: _metric_points(db, r["run_id"]) for t, r in done.items()}
