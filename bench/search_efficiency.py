@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -253,6 +254,7 @@ def seed_figures(run: dict, grid: dict) -> dict:
     sel, grid_sel = run.get("selected"), grid.get("selected")
     if sel and grid_sel:
         out.update({"selected_dev": sel["dev"], "selected_dev_se": sel["dev_se"],
+                    "selected_config": sel.get("config"),
                     "selected_val": sel["val"], "selected_val_se": sel["val_se"],
                     "grid_selected_dev": grid_sel["dev"], "grid_selected_dev_se": grid_sel["dev_se"],
                     "dev_within_one_se_of_grid": sel["dev"] >= grid_sel["dev"] - grid_sel["dev_se"]})
@@ -283,6 +285,46 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict:
                          "per_seed": per_seed,
                          **{k: mean_sd([f.get(k) for f in per_seed]) for k in FIGURES}}
     return out
+
+
+#: the issue's targets, checked per seed: (figure, test, what it says)
+TARGETS = (
+    ("examples_to_grid_best_ratio", lambda v: v is not None and v <= 1 / 3,
+     "reaches the grid's best with <= 1/3 of its examples"),
+    ("wall_vs_one_training", lambda v: v is not None and v <= 2,
+     "whole search <= 2x one full training's wall time"),
+    ("dev_within_one_se_of_grid", lambda v: v is True,
+     "selected trial's dev >= the grid's selected dev - one se"),
+)
+
+
+def targets_met(per_seed: dict) -> int:
+    """How many of :data:`TARGETS` one (method, seed) meets."""
+    return sum(bool(test(per_seed.get(key))) for key, test, _ in TARGETS)
+
+
+#: the baselines the searches are measured against (every trial to the full budget)
+BASELINES = tuple(k for k, m in METHODS.items() if m.scheduler == "fifo")
+
+
+def rank_methods(summary: dict, min_seeds: int = 3) -> list[dict]:
+    """The candidates for the driver's default, best first: the scheduler/searcher pairs
+    (not the baselines: the hand grid, random at the full budget) with at least
+    ``min_seeds`` seeds, ranked by the targets met per seed (mean over the seeds), then by
+    the selected trial's dev (mean), then by fewer training examples (mean)."""
+    rows = []
+    for name, s in summary.items():
+        if name in BASELINES or len(s["seeds"]) < min_seeds:
+            continue
+        met = [targets_met(f) for f in s["per_seed"]]
+        rows.append({"method": name, "label": s["label"], "seeds": s["seeds"],
+                     "targets_met_per_seed": met,
+                     "targets_met_mean": statistics.fmean(met),
+                     "selected_dev_mean": s["selected_dev"]["mean"],
+                     "examples_mean": s["examples"]["mean"]})
+    return sorted(rows, key=lambda r: (-r["targets_met_mean"],
+                                       -(r["selected_dev_mean"] or -math.inf),
+                                       r["examples_mean"] or math.inf))
 
 
 def grid_analysis(grids: dict[int, dict]) -> dict | None:
@@ -357,6 +399,46 @@ def print_table(summary: dict) -> None:
               f"{_fmt(s['wall_vs_one_training']):>20}{_fmt(s['selected_dev'], 4):>18}")
 
 
+def markdown_tables(summary: dict, ranking: list[dict]) -> str:
+    """README's tables: per method (mean +- sd over the seeds, how many seeds met each
+    target) and per (method, seed)."""
+    def count(s, key, test):
+        return f"{sum(bool(test(f.get(key))) for f in s['per_seed'])} of {len(s['per_seed'])}"
+    met = {r["method"]: r["targets_met_per_seed"] for r in ranking}
+    lines = ["| search | seeds | best val overall | reached the grid's best | examples to it / "
+             "the grid's | wall / one training | selected trial's dev overall | dev within "
+             "one se of the grid's | targets met per seed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        reach = s["examples_to_grid_best_ratio"]
+        ratios = [f["examples_to_grid_best_ratio"] for f in s["per_seed"]]
+        lines.append(
+            f"| {s['label']} | {', '.join(map(str, s['seeds']))} | {_fmt(s['best_val'], 4)} | "
+            f"{count(s, 'examples_to_grid_best_ratio', lambda v: v is not None)} | "
+            + (_fmt(reach) if reach["mean"] is not None else
+               ", ".join("–" if v is None else f"{v:.2f}" for v in ratios))
+            + f" | {_fmt(s['wall_vs_one_training'])} | {_fmt(s['selected_dev'], 4)} | "
+            f"{count(s, 'dev_within_one_se_of_grid', lambda v: v is True)} | "
+            f"{met.get(name, '–') if name != 'grid' else '–'} |")
+    lines += ["", "| search | seed | best val (dropout, λ_SST) | examples to the grid's best / "
+              "the grid's | examples | wall / one training | selected dev ± se | the grid's "
+              "selected dev ± se |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        for f in s["per_seed"]:
+            ratio = f["examples_to_grid_best_ratio"]
+            cfg = f.get("selected_config") or {}
+            where = (f" ({cfg['dropout']:.3f}, {cfg['smart_lambda_sst']:.2f})" if cfg else "")
+            failed = f" ({f['errors']} trials failed)" if f.get("errors") else ""
+            lines.append(
+                f"| {name}{failed} | {f['seed']} | {f['best_val']:.4f}{where} | "
+                f"{'never' if ratio is None else f'{ratio:.2f}'} | {f['examples']:,.0f} | "
+                f"{f['wall_vs_one_training']:.2f} | {f.get('selected_dev', math.nan):.4f} ± "
+                f"{f.get('selected_dev_se', math.nan):.4f} | "
+                f"{f.get('grid_selected_dev', math.nan):.4f} ± "
+                f"{f.get('grid_selected_dev_se', math.nan):.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -407,6 +489,10 @@ def parse_args(argv):
                    help="keeps runs.json (every run so far) and Ray's trial folders")
     p.add_argument("--docs", default=str(REPO / "docs"),
                    help="where search_efficiency.json and .png go")
+    p.add_argument("--keep-trials", action="store_true",
+                   help="keep each run's Ray trial folders (checkpoints) under OUT; by "
+                        "default they are removed once the run's figures are in runs.json "
+                        "(a failed run's are kept)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the figures of the runs kept in OUT/runs.json")
     args = p.parse_args(argv)
@@ -476,6 +562,14 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
                 runs.setdefault(name, {})[seed] = {**run, "command": command}
                 print(f"[bench] seed {seed} {name}: {run['num_trials']} trials in "
                       f"{run['wall_s']:.0f} s", flush=True)
+                if run["errors"]:
+                    print(f"[bench] seed {seed} {name}: {run['errors']} trials failed (Ray's "
+                          f"error files under {storage / f'{name}-seed{seed}'}); its figures "
+                          "are marked, run it again", flush=True)
+                elif not args.keep_trials:
+                    # runs.json holds every figure (the selected checkpoint's dev included);
+                    # the trials' checkpoints (~0.3 GB each, PBT keeps all) would fill a disk
+                    shutil.rmtree(storage / f"{name}-seed{seed}", ignore_errors=True)
                 kept = {"args": {k: getattr(args, k) for k in SAME}, "runs": runs}
                 tmp = runs_file.with_suffix(".tmp")
                 tmp.write_text(json.dumps(kept, default=str), encoding="utf-8")
@@ -506,6 +600,17 @@ def write_figures(args, runs: dict, docs: Path) -> None:
                 print(f"{name} seed {seed}: first evaluation at {f['examples']:.0f} examples, "
                       f"scores spread {f['spread']:.4f} (a trial's se at its best "
                       f"evaluation, median: {f['val_se'] or float('nan'):.4f})")
+    ranking = rank_methods(summary)
+    if ranking:
+        print("\ncandidates for the default (targets met per seed, of "
+              f"{len(TARGETS)}; selected dev; examples), best first:")
+        for r in ranking:
+            print(f"  {r['method']:<16} {r['targets_met_per_seed']} mean "
+                  f"{r['targets_met_mean']:.2f}  dev {r['selected_dev_mean'] or float('nan'):.4f}"
+                  f"  examples {r['examples_mean'] or float('nan'):,.0f}")
+        if ranking[0]["method"] != DEFAULT_METHOD:
+            print(f"[bench] the measured best is {ranking[0]['method']}, not the driver's "
+                  f"default {DEFAULT_METHOD}")
     default = summary.get(DEFAULT_METHOD, {})
     result = {
         "commands": sorted({r.get("command", "?") for by_seed in runs.values()
@@ -518,6 +623,8 @@ def write_figures(args, runs: dict, docs: Path) -> None:
                     **{k: default[k]["mean"] for k in FIGURES if k in default},
                     "sd": {k: default[k]["sd"] for k in FIGURES if k in default}},
         "methods": summary,
+        # the rule of rank_methods: targets met per seed, then selected dev, then examples
+        "ranking": ranking,
         "grid_analysis": analysis,
         "first_rung": {name: {str(seed): f for seed, f in by_seed.items()}
                        for name, by_seed in first_rungs.items()},
@@ -528,7 +635,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
          f"best validation overall vs compute, each seed a line ({args.full_examples} examples "
          f"per full training, {args.workers} workers, MiniLM, CPU)")
     (docs / "search_efficiency.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    print(f"[bench] wrote {docs / 'search_efficiency.json'} and {docs / 'search_efficiency.png'}")
+    (docs / "search_efficiency.md").write_text(markdown_tables(summary, ranking),
+                                               encoding="utf-8")
+    print(f"[bench] wrote {docs / 'search_efficiency.json'}, .md (README's tables) and .png")
 
 
 if __name__ == "__main__":

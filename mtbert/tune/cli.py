@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "has GPUs, several trials share each (the share from the model's "
                         "size and the GPU's memory, printed); 0 forces the CPUs")
     p.add_argument("--search-alg", default=None, choices=SEARCHERS,
-                   help="optuna: Optuna's TPE (seeded); optuna-mv: its multivariate TPE; "
+                   help="optuna: Optuna's independent TPE (seeded); optuna-mv: its multivariate TPE; "
                         "random: random search (baseline); bohb: TuneBOHB (with --scheduler "
                         "bohb). Default: bohb for --scheduler bohb, random for pbt / pb2, "
                         f"else {DEFAULT_SEARCHER}")
