@@ -16,7 +16,8 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
 * ``random`` -- 10 random configurations in the same ranges, no early stopping;
 * the searcher/scheduler pairs of ``mtbert.tune.search`` (``METHODS`` below): ASHA with
   Optuna TPE (independent or multivariate), BOHB, PBT -- ``--trials`` configurations,
-  ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full).
+  ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
+  ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``).
 
 Each (method, seed) run is kept in ``OUT/runs.json``; later calls add to it (the
 settings must match), so methods and seeds can be measured in several sittings. From
@@ -59,6 +60,7 @@ class Method:
     scheduler: str   # a --scheduler of the driver (grid/random: fifo)
     searcher: str    # a --search-alg of the driver (grid: Ray's grid search)
     first_rung: int = 9  # ASHA / BOHB: the first rung at full / this (rungs x3 from there)
+    space: str = "ranges"  # a key of SPACES: what the automatic searches sample
 
 
 METHODS = {
@@ -72,6 +74,9 @@ METHODS = {
     # signal (0.51-0.52 at dropout <= 0.2 against 0.44-0.47 at >= 0.3); full/9 has none
     "asha_tpe_late": Method("ASHA (rungs full/3, full) + mv TPE", "asha", "optuna-mv",
                             first_rung=3),
+    # the default pair on the same ranges in steps (SPACES["steps"])
+    "asha_tpe_indep_steps": Method("ASHA + independent TPE, stepped space", "asha", "optuna",
+                                   space="steps"),
     "bohb": Method("BOHB (HyperBand + TuneBOHB)", "bohb", "bohb"),
     "pbt": Method("PBT", "pbt", "random"),
 }
@@ -80,8 +85,8 @@ METHODS = {
 def _default_method() -> str:
     from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER
     return next(k for k, m in METHODS.items()
-                if (m.scheduler, m.searcher, m.first_rung) == (DEFAULT_SCHEDULER,
-                                                               DEFAULT_SEARCHER, 9))
+                if (m.scheduler, m.searcher, m.first_rung, m.space) == (
+                    DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges"))
 
 
 #: the driver's default pair
@@ -89,10 +94,19 @@ DEFAULT_METHOD = _default_method()
 #: settings a run kept in runs.json must share with this call to be compared
 SAME = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
         "warmup_examples", "trials", "model")
-#: the space every automatic search samples (the driver's YAML format)
-SPACE = {"description": "report 004's knobs",
-         "params": {"dropout": {"uniform": [min(DROPOUTS), max(DROPOUTS)]},
-                    "smart_lambda_sst": {"uniform": [min(LAMBDAS), max(LAMBDAS)]}}}
+#: the spaces the automatic searches sample (the driver's YAML format), both over the
+#: grid's ranges: ``ranges`` continuous; ``steps`` dropout in steps of 0.05 (half the
+#: grid's spacing) and whole lambda_s -- 9 x 5 = 45 configurations, the grid's 10 among
+#: them.  The grid's best lies on the range's edge (dropout 0.1), which a continuous
+#: sampler approaches but never draws
+SPACES = {
+    "ranges": {"description": "report 004's knobs",
+               "params": {"dropout": {"uniform": [min(DROPOUTS), max(DROPOUTS)]},
+                          "smart_lambda_sst": {"uniform": [min(LAMBDAS), max(LAMBDAS)]}}},
+    "steps": {"description": "report 004's knobs, in steps",
+              "params": {"dropout": {"quniform": [min(DROPOUTS), max(DROPOUTS), 0.05]},
+                         "smart_lambda_sst": {"quniform": [min(LAMBDAS), max(LAMBDAS), 1.0]}}},
+}
 
 
 def bench_budget(args, method: Method):
@@ -118,7 +132,7 @@ def search_setup(name: str, args, seed: int):
     from mtbert.tune.spaces import parse_space
     method = METHODS[name]
     budget = bench_budget(args, method)
-    space = parse_space(SPACE, "bench/search_efficiency.py")
+    space = parse_space(SPACES[method.space], "bench/search_efficiency.py")
     if method.searcher == "grid":
         grid = {"dropout": tune.grid_search(list(DROPOUTS)),
                 "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
@@ -281,7 +295,10 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict:
     for name, by_seed in runs.items():
         per_seed = [seed_figures(by_seed[s], grids[s]) for s in sorted(by_seed) if s in grids]
         if per_seed:
-            out[name] = {"label": METHODS[name].label, "seeds": [f["seed"] for f in per_seed],
+            m = METHODS[name]
+            out[name] = {"label": m.label,
+                         "space": "grid" if m.searcher == "grid" else m.space,  # SPACES key
+                         "seeds": [f["seed"] for f in per_seed],
                          "per_seed": per_seed,
                          **{k: mean_sd([f.get(k) for f in per_seed]) for k in FIGURES}}
     return out
@@ -309,12 +326,14 @@ BASELINES = tuple(k for k, m in METHODS.items() if m.scheduler == "fifo")
 
 def rank_methods(summary: dict, min_seeds: int = 3) -> list[dict]:
     """The candidates for the driver's default, best first: the scheduler/searcher pairs
-    (not the baselines: the hand grid, random at the full budget) with at least
+    on the continuous space (not the baselines: the hand grid, random at the full budget;
+    not a pair on another space: the space is the user's, not a default) with at least
     ``min_seeds`` seeds, ranked by the targets met per seed (mean over the seeds), then by
     the selected trial's dev (mean), then by fewer training examples (mean)."""
     rows = []
     for name, s in summary.items():
-        if name in BASELINES or len(s["seeds"]) < min_seeds:
+        other_space = name in METHODS and METHODS[name].space != "ranges"
+        if name in BASELINES or other_space or len(s["seeds"]) < min_seeds:
             continue
         met = [targets_met(f) for f in s["per_seed"]]
         rows.append({"method": name, "label": s["label"], "seeds": s["seeds"],

@@ -78,8 +78,8 @@ def test_seed_figures_against_the_grid_and_means_over_seeds(se):
 
 def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
     """The default's rule: targets met per seed (mean), then the selected dev, then fewer
-    examples; the baselines (grid, random) and methods with fewer than 3 seeds are not
-    candidates."""
+    examples; the baselines (grid, random), a pair on another space than the continuous
+    one and methods with fewer than 3 seeds are not candidates."""
     def seed_row(ratio, wall, within, dev, examples):
         return {"examples_to_grid_best_ratio": ratio, "wall_vs_one_training": wall,
                 "dev_within_one_se_of_grid": within, "selected_dev": dev,
@@ -104,6 +104,7 @@ def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
         # ties dev_only on targets and dev, spends fewer examples: ranked above it
         "dev_cheaper": method(*[seed_row(None, 3.0, True, 0.70, 8000)] * 3),
         "two_seeds": method(*[seed_row(0.1, 1.0, True, 0.9, 100)] * 2),
+        "asha_tpe_indep_steps": method(*[seed_row(0.1, 1.0, True, 0.9, 100)] * 3),
     }
     ranking = se.rank_methods(summary)
     assert [r["method"] for r in ranking] == ["cheap", "dev_cheaper", "dev_only"]

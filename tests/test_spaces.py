@@ -82,6 +82,38 @@ def test_distributions_map_to_ray_and_optuna(tmp_path):
     assert space.fixed == {"pcgrad": True, "update": "summed"}
 
 
+def test_quniform_samples_only_the_steps_in_ray_and_optuna(tmp_path):
+    """A stepped range draws low, low + step, ..., high -- the ends included -- through
+    Ray's own sampling and through Optuna's TPE (what OptunaSearch builds from it)."""
+    import numpy as np
+    import optuna
+    from optuna.distributions import FloatDistribution
+    path = tmp_path / "stepped.yaml"
+    path.write_text("description: steps\nparams:\n  dropout: {quniform: [0.1, 0.5, 0.05]}\n"
+                    "  smart_lambda_sst: {quniform: [1, 5, 1]}\n", encoding="utf-8")
+    space = load_space(str(path))
+    assert space.searched["dropout"].describe() == "quniform [0.1, 0.5, step 0.05]"
+    assert space.to_dict()["params"]["dropout"] == {"quniform": [0.1, 0.5, 0.05]}
+    rng = np.random.default_rng(0)
+    drawn = {round(space.param_space()["dropout"].sample(random_state=rng), 9)
+             for _ in range(400)}
+    assert drawn == {round(0.1 + 0.05 * k, 9) for k in range(9)}
+    od = space.optuna_distributions()
+    assert od["dropout"] == FloatDistribution(0.1, 0.5, step=0.05)
+    # the searcher the driver builds: Ray's OptunaSearch over the Ray domains, TPE past
+    # its random start-up trials
+    from ray.tune.search.optuna import OptunaSearch
+    searcher = OptunaSearch(space=space.param_space(), metric="score", mode="max",
+                            sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=3))
+    seen = []
+    for i in range(10):
+        config = searcher.suggest(f"t{i}")
+        seen.append((config["dropout"], config["smart_lambda_sst"]))
+        searcher.on_trial_complete(f"t{i}", {"score": -config["dropout"]})
+    assert {round(d, 9) for d, _ in seen} <= drawn
+    assert {lam for _, lam in seen} <= {1.0, 2.0, 3.0, 4.0, 5.0}
+
+
 BAD = {
     "unknown_key": ("params:\n  learning_rate: {loguniform: [1.0e-5, 1.0e-3]}\n",
                     "learning_rate: unknown trainer config key"),
@@ -100,6 +132,14 @@ BAD = {
                  "lr: uniform bound 0 is outside the valid range of lr (must be > 0)"),
     "log_zero": ("params:\n  weight_decay: {loguniform: [0.0, 0.1]}\n",
                  "weight_decay: loguniform needs low > 0"),
+    "quniform_arity": ("params:\n  dropout: {quniform: [0.1, 0.5]}\n",
+                       "dropout: quniform needs [low, high, step], got [0.1, 0.5]"),
+    "quniform_off_step": ("params:\n  dropout: {quniform: [0.1, 0.5, 0.15]}\n",
+                          "dropout: quniform needs low and high to be multiples of step"),
+    "quniform_step": ("params:\n  dropout: {quniform: [0.1, 0.5, 0]}\n",
+                      "dropout: quniform step must be > 0"),
+    "quniform_on_int": ("params:\n  batch_size: {quniform: [8, 32, 8]}\n",
+                        "batch_size: quniform needs a float field"),
     "float_dist_on_int": ("params:\n  batch_size: {uniform: [8, 32]}\n",
                           "batch_size: uniform needs a float field"),
     "randint_on_float": ("params:\n  lr: {randint: [1, 3]}\n", "lr: randint needs an integer field"),

@@ -3,7 +3,9 @@
 Searchers (``--search-alg``):
 
 * ``optuna``: Optuna's independent TPE (Bergstra et al. 2011; one density per key, seeded,
-  random for the first trials) behind a ``ConcurrencyLimiter``;
+  random for the first trials) behind a ``ConcurrencyLimiter``; a proposal that repeats
+  a finished trial's configuration gets that trial's score without training
+  (searchers.py);
 * ``optuna-mv``: Optuna's multivariate TPE (Falkner et al. 2018: one joint density over
   the keys, so interacting keys such as lr x batch size are modelled together);
 * ``random``: Ray's random search (``BasicVariantGenerator``), also the population of
@@ -145,14 +147,16 @@ def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int):
         return TuneBOHB(seed=seed, max_concurrent=max_concurrent)
     import optuna
     from ray.tune.search import ConcurrencyLimiter
-    from ray.tune.search.optuna import OptunaSearch
+
+    from mtbert.tune.searchers import DistinctOptunaSearch
     startup = max(2, min(10, num_samples // 3))
     # explicit: Optuna 5 makes TPE multivariate by default, Optuna 4 did not.  group=False:
     # every trial samples the same keys (static spaces), where the group decomposition is
     # one group, i.e. plain multivariate TPE (and an ExperimentalWarning)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup,
                                          multivariate=name == "optuna-mv", group=False)
-    return ConcurrencyLimiter(OptunaSearch(sampler=sampler), max_concurrent=max_concurrent)
+    return ConcurrencyLimiter(DistinctOptunaSearch(sampler=sampler),
+                              max_concurrent=max_concurrent)
 
 
 def build_scheduler(name: str, budget: Budget, space=None):

@@ -6,6 +6,7 @@ A space file (``search_spaces/NAME.yaml``)::
     params:
       lr:          {loguniform: [1.0e-5, 2.0e-4]}   # log-uniform float in [low, high]
       dropout:     {uniform: [0.05, 0.4]}           # uniform float in [low, high]
+      smart_lambda_sst: {quniform: [1.0, 5.0, 1.0]} # uniform on low, low + step, ..., high
       smart_steps: {randint: [1, 3]}                # integer in [low, high], both included
       batch_size:  {choice: [8, 16, 32]}            # one of the listed values
       pcgrad:      true                             # fixed value (or {fixed: true})
@@ -20,7 +21,8 @@ searched value is checked together with the space's fixed values (e.g.
 :class:`SpaceError` naming the file and the key, raised before anything starts.
 
 :meth:`SearchSpace.param_space` maps to Ray Tune domains (``tune.choice``,
-``tune.uniform``, ``tune.loguniform``, ``tune.randint``; Ray's OptunaSearch turns them
+``tune.uniform``, ``tune.quniform``, ``tune.loguniform``, ``tune.randint``; Ray's
+OptunaSearch turns them
 into Optuna distributions); :meth:`SearchSpace.optuna_distributions` gives the same
 space as Optuna distributions directly (for the importance report).
 """
@@ -53,11 +55,11 @@ RUN_FIELDS = {
     "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
     "threads": "--cpus-per-trial", "progress": "the driver",
 }
-DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "fixed")
+DISTRIBUTIONS = ("choice", "uniform", "quniform", "loguniform", "randint", "fixed")
 SPACE_KEYS = ("description", "params")
 
 _FORMAT_HINT = ("expected a fixed value or one of {choice: [a, b, ...]}, {uniform: [low, high]}, "
-                "{loguniform: [low, high]}, {randint: [low, high]}, {fixed: value}")
+                "{quniform: [low, high, step]}, {loguniform: [low, high]}, {randint: [low, high]}, {fixed: value}")
 
 
 class SpaceError(ConfigError):
@@ -74,11 +76,12 @@ def default_spaces_dir() -> Path:
 class Param:
     """One key of a space: a fixed value or a distribution."""
     key: str
-    dist: str                       # choice | uniform | loguniform | randint | fixed
+    dist: str                       # choice | uniform | quniform | loguniform | randint | fixed
     value: Any = None               # fixed
     choices: tuple = ()             # choice
-    low: float | int | None = None  # uniform / loguniform / randint (inclusive)
+    low: float | int | None = None  # the ranges (inclusive)
     high: float | int | None = None
+    step: float | None = None       # quniform: values low + k * step, up to high
 
     @property
     def searched(self) -> bool:
@@ -89,7 +92,8 @@ class Param:
             return f"{self.value!r}"
         if self.dist == "choice":
             return "choice " + ", ".join(map(repr, self.choices))
-        return f"{self.dist} [{self.low:g}, {self.high:g}]"
+        step = f", step {self.step:g}" if self.step else ""
+        return f"{self.dist} [{self.low:g}, {self.high:g}{step}]"
 
     def to_tune(self):
         """The Ray Tune domain (or the constant)."""
@@ -100,6 +104,10 @@ class Param:
             return tune.choice(list(self.choices))
         if self.dist == "uniform":
             return tune.uniform(self.low, self.high)
+        if self.dist == "quniform":
+            # Ray rounds a uniform draw to the nearest multiple of step (OptunaSearch maps
+            # it to a FloatDistribution with that step); low is one, as the parser checks
+            return tune.quniform(self.low, self.high, self.step)
         if self.dist == "loguniform":
             return tune.loguniform(self.low, self.high)
         return tune.randint(self.low, self.high + 1)  # Ray's upper bound is exclusive
@@ -114,7 +122,8 @@ class Param:
             return CategoricalDistribution(list(self.choices))
         if self.dist == "randint":
             return IntDistribution(int(self.low), int(self.high))
-        return FloatDistribution(float(self.low), float(self.high), log=self.dist == "loguniform")
+        return FloatDistribution(float(self.low), float(self.high), log=self.dist == "loguniform",
+                                 step=self.step)
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,8 @@ class SearchSpace:
                 out[k] = p.value
             elif p.dist == "choice":
                 out[k] = {"choice": list(p.choices)}
+            elif p.dist == "quniform":
+                out[k] = {"quniform": [p.low, p.high, p.step]}
             else:
                 out[k] = {p.dist: [p.low, p.high]}
         return {"description": self.description, "params": out}
@@ -228,9 +239,15 @@ def _parse_param(path: Path, key: str, spec: Any) -> Param:
             raise SpaceError(f"{where}: choice lists a value twice: {list(arg)}", key=key)
         return Param(key, "choice", choices=values)
     # numeric ranges
+    step = None
+    if dist == "quniform":
+        if not isinstance(arg, list) or len(arg) != 3:
+            raise SpaceError(f"{where}: quniform needs [low, high, step], got {arg!r}", key=key)
+        *arg, step = arg
+        step = _number(where, dist, step, integer=False)
     if not isinstance(arg, list) or len(arg) != 2:
         raise SpaceError(f"{where}: {dist} needs [low, high], got {arg!r}", key=key)
-    if dist in ("uniform", "loguniform") and kind != "float":
+    if dist in ("uniform", "quniform", "loguniform") and kind != "float":
         raise SpaceError(f"{where}: {dist} needs a float field, {key} is {_kind_name(key)}"
                          + (" (use randint or choice)" if kind == "int" else " (use choice)"),
                          key=key)
@@ -244,6 +261,17 @@ def _parse_param(path: Path, key: str, spec: Any) -> Param:
         raise SpaceError(f"{where}: {dist} needs low < high, got [{low:g}, {high:g}]", key=key)
     if dist == "loguniform" and low <= 0:
         raise SpaceError(f"{where}: loguniform needs low > 0, got {low:g}", key=key)
+    if step is not None:
+        steps = (high - low) / step if step > 0 else 0.0
+        # Ray rounds draws to multiples of step and Optuna counts from low: both agree
+        # only when low and high are whole steps (a 1e-9 tolerance for decimal floats)
+        whole = lambda x: abs(x - round(x)) < 1e-9 * max(1.0, abs(x))  # noqa: E731
+        if step <= 0 or steps < 1:
+            raise SpaceError(f"{where}: quniform step must be > 0 and at most high - low, "
+                             f"got step {step:g} for [{low:g}, {high:g}]", key=key)
+        if not (whole(steps) and whole(low / step)):
+            raise SpaceError(f"{where}: quniform needs low and high to be multiples of step, "
+                             f"got [{low:g}, {high:g}] with step {step:g}", key=key)
     f_low, f_high, low_open = field_range(key)
     if f_low is not None and (low < f_low or (low_open and low == f_low)):
         rel = ">" if low_open else ">="
@@ -252,7 +280,7 @@ def _parse_param(path: Path, key: str, spec: Any) -> Param:
     if f_high is not None and high > f_high:
         raise SpaceError(f"{where}: {dist} bound {high:g} is outside the valid range of {key} "
                          f"(must be <= {f_high:g})", key=key)
-    return Param(key, dist, low=low, high=high)
+    return Param(key, dist, low=low, high=high, step=step)
 
 
 def _kind_name(key: str) -> str:
