@@ -15,7 +15,7 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
   each trained to the full budget and scored once at the end;
 * ``random`` -- 10 random configurations in the same ranges, no early stopping;
 * the searcher/scheduler pairs of ``mtbert.tune.search`` (``METHODS`` below): ASHA with
-  Optuna TPE (independent or multivariate), BOHB, PBT -- ``--trials`` configurations,
+  Optuna TPE (independent or multivariate), BOHB, PBT, PB2 -- ``--trials`` configurations,
   ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
   ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``).
 
@@ -79,6 +79,7 @@ METHODS = {
                                    space="steps"),
     "bohb": Method("BOHB (HyperBand + TuneBOHB)", "bohb", "bohb"),
     "pbt": Method("PBT", "pbt", "random"),
+    "pb2": Method("PB2 (PBT with a GP bandit)", "pb2", "random"),
 }
 
 
@@ -111,12 +112,12 @@ SPACES = {
 
 def bench_budget(args, method: Method):
     """The driver's Budget for this bench: ASHA's rungs at full/9, full/3, full (or from
-    the method's later first rung); grid and random score once at the end; PBT compares
-    its population every full/6 examples."""
+    the method's later first rung); grid and random score once at the end; PBT and PB2
+    compare their population every full/6 examples."""
     from mtbert.tune.budgets import Budget
     grace = args.full_examples // method.first_rung
-    every = {"fifo": args.full_examples, "pbt": args.full_examples // 6}.get(method.scheduler,
-                                                                            grace)
+    every = {"fifo": args.full_examples, "pbt": args.full_examples // 6,
+             "pb2": args.full_examples // 6}.get(method.scheduler, grace)
     return Budget("bench", "search_efficiency", max_examples=args.full_examples, epochs=100,
                   eval_every=every, eval_growth=3 if every == grace else 1, grace_period=grace,
                   reduction_factor=3, warmup_examples=args.warmup_examples,

@@ -167,6 +167,9 @@ def test_bench_budget_puts_the_rungs_where_the_method_says(se):
     late = se.bench_budget(args, se.METHODS["asha_tpe_late"])
     assert late.grace_period == 666 and late.rungs() == [666, 1998]
     assert se.bench_budget(args, se.METHODS["grid"]).eval_every == 2000
+    for population in ("pbt", "pb2"):  # compared every full / 6, no growth
+        budget = se.bench_budget(args, se.METHODS[population])
+        assert (budget.eval_every, budget.eval_growth) == (333, 1)
     assert se.DEFAULT_METHOD == "asha_tpe_indep"  # the driver's pair, the standard rungs
 
 

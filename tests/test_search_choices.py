@@ -242,3 +242,12 @@ def test_hyperband_brackets_start_on_the_budgets_rungs():
                   for s in range(scheduler._s_max_1)]
         assert min(starts) == budget.grace_period, budget.name
         assert set(starts) <= set(budget.rungs()), budget.name
+
+
+def test_actors_are_reused_only_where_no_trial_pauses_and_no_node_can_die():
+    from mtbert.tune.search import reuses_actors
+    assert reuses_actors("asha", None) and reuses_actors("fifo", None)
+    for pausing in ("bohb", "pbt", "pb2"):
+        assert not reuses_actors(pausing, None)
+    # a cluster: a lost node's cached actor would take the retries (test_fault_tolerance)
+    assert not reuses_actors("asha", "auto") and not reuses_actors("asha", "127.0.0.1:6379")

@@ -28,7 +28,7 @@ paused); PBT / PB2 take their population from Ray's random search.  Each trial k
 2 best checkpoints by the objective and its latest (what a finished search keeps:
 retention.py); a trial whose worker died is retried from its last checkpoint
 (``FailureConfig``).  Actors are reused between trials (``reuse_actors``, not with the
-schedulers that pause trials; see
+schedulers that pause trials nor on a cluster joined with ``--address``; see
 trainable.py for how a stopped trial's thread ends then).
 """
 
@@ -185,6 +185,17 @@ def build_scheduler(name: str, budget: Budget, space=None):
                                     reduction_factor=budget.reduction_factor)
 
 
+def reuses_actors(scheduler: str, address: str | None) -> bool:
+    """Whether trials reuse Ray's actors (worker processes with torch and the encoder
+    loaded).  Not with the schedulers that pause trials and resume them from checkpoints:
+    a PBT smoke search (2 trials taking turns on one slot) hung in a clean-clone CI run
+    with actors reused, every actor gone and Tune waiting on one.  Not on a cluster
+    (``--address``), where a node can die: a trial about to start on a cached actor of a
+    node just lost was retried on that same dead actor, twice in 40 ms
+    (ActorUnavailableError), and errored with ``--max-failures`` spent."""
+    return scheduler not in PAUSING_SCHEDULERS and not address
+
+
 def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
     """A new Tuner for the search, or the restored one on ``--resume``."""
     from ray import tune
@@ -206,10 +217,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples),
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space),
-            # not with the schedulers that pause trials and resume them from checkpoints:
-            # a PBT smoke search (2 trials taking turns on one slot) hung in a clean-clone
-            # CI run with actors reused, every actor gone and Tune waiting on one
-            reuse_actors=settings.scheduler not in PAUSING_SCHEDULERS,
+            reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
             name=settings.experiment, storage_path=location.ray_storage,
