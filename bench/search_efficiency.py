@@ -115,9 +115,12 @@ def bench_budget(args, method: Method):
     the method's later first rung); grid and random score once at the end; PBT and PB2
     compare their population every full/6 examples."""
     from mtbert.tune.budgets import Budget
+    from mtbert.tune.search import POPULATION_SCHEDULERS
     grace = args.full_examples // method.first_rung
-    every = {"fifo": args.full_examples, "pbt": args.full_examples // 6,
-             "pb2": args.full_examples // 6}.get(method.scheduler, grace)
+    if method.scheduler in POPULATION_SCHEDULERS:
+        every = args.full_examples // 6
+    else:
+        every = args.full_examples if method.scheduler == "fifo" else grace
     return Budget("bench", "search_efficiency", max_examples=args.full_examples, epochs=100,
                   eval_every=every, eval_growth=3 if every == grace else 1, grace_period=grace,
                   reduction_factor=3, warmup_examples=args.warmup_examples,
@@ -424,6 +427,7 @@ def markdown_tables(summary: dict, ranking: list[dict]) -> str:
     target) and per (method, seed)."""
     def count(s, key, test):
         return f"{sum(bool(test(f.get(key))) for f in s['per_seed'])} of {len(s['per_seed'])}"
+    dev_target = next(test for key, test, _ in TARGETS if key == "dev_within_one_se_of_grid")
     met = {r["method"]: r["targets_met_per_seed"] for r in ranking}
     lines = ["| search | seeds | best val overall | reached the grid's best | examples to it / "
              "the grid's | wall / one training | selected trial's dev overall | dev within "
@@ -438,7 +442,7 @@ def markdown_tables(summary: dict, ranking: list[dict]) -> str:
             + (_fmt(reach) if reach["mean"] is not None else
                ", ".join("–" if v is None else f"{v:.2f}" for v in ratios))
             + f" | {_fmt(s['wall_vs_one_training'])} | {_fmt(s['selected_dev'], 4)} | "
-            f"{count(s, 'dev_within_one_se_of_grid', lambda v: v is True)} | "
+            f"{count(s, 'dev_within_one_se_of_grid', dev_target)} | "
             f"{met.get(name, '–')} |")
     lines += ["", "| search | seed | best val (dropout, λ_SST) | examples to the grid's best / "
               "the grid's | examples | wall / one training | selected dev ± se | the grid's "

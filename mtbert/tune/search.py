@@ -3,11 +3,11 @@
 Searchers (``--search-alg``):
 
 * ``optuna``: Optuna's independent TPE (Bergstra et al. 2011; one density per key, seeded,
-  random for the first trials) behind a ``ConcurrencyLimiter``; a proposal that repeats
-  a finished trial's configuration gets that trial's score without training
-  (searchers.py);
+  random for the first trials) behind a ``ConcurrencyLimiter``;
 * ``optuna-mv``: Optuna's multivariate TPE (Falkner et al. 2018: one joint density over
-  the keys, so interacting keys such as lr x batch size are modelled together);
+  the keys, so interacting keys such as lr x batch size are modelled together); with
+  either, a proposal that repeats a finished trial's configuration gets that trial's
+  score without training (searchers.py);
 * ``random``: Ray's random search (``BasicVariantGenerator``), also the population of
   PBT / PB2;
 * ``bohb``: ``TuneBOHB`` (Falkner et al. 2018: TPE-like kernel densities per budget).

@@ -27,17 +27,17 @@ class DistinctOptunaSearch(OptunaSearch):
     repeats_told = 0
 
     def suggest(self, trial_id: str):
-        for ask in range(MAX_ASKS):
+        for _ in range(MAX_ASKS - 1):
             config = super().suggest(trial_id)
             # Ray keeps the Optuna trial it asked for under the Tune trial's id
             asked = self._ot_trials[trial_id]
             twin = self._scored_twin(asked.params)
-            if twin is None or ask == MAX_ASKS - 1:
+            if twin is None:
                 return config
             self._ot_study.tell(asked, twin.value)
             del self._ot_trials[trial_id]  # the next super().suggest asks a new one
             self.repeats_told += 1
-        return config  # unreachable: the last ask returns above
+        return super().suggest(trial_id)  # the last ask trains, repeat or not
 
     def _scored_twin(self, params: dict) -> FrozenTrial | None:
         for trial in self._ot_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):

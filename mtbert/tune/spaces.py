@@ -262,14 +262,13 @@ def _parse_param(path: Path, key: str, spec: Any) -> Param:
     if dist == "loguniform" and low <= 0:
         raise SpaceError(f"{where}: loguniform needs low > 0, got {low:g}", key=key)
     if step is not None:
-        steps = (high - low) / step if step > 0 else 0.0
+        if step <= 0 or step > high - low:
+            raise SpaceError(f"{where}: quniform step must be > 0 and at most high - low, "
+                             f"got step {step:g} for [{low:g}, {high:g}]", key=key)
         # Ray rounds draws to multiples of step and Optuna counts from low: both agree
         # only when low and high are whole steps (a 1e-9 tolerance for decimal floats)
         whole = lambda x: abs(x - round(x)) < 1e-9 * max(1.0, abs(x))  # noqa: E731
-        if step <= 0 or steps < 1:
-            raise SpaceError(f"{where}: quniform step must be > 0 and at most high - low, "
-                             f"got step {step:g} for [{low:g}, {high:g}]", key=key)
-        if not (whole(steps) and whole(low / step)):
+        if not (whole((high - low) / step) and whole(low / step)):
             raise SpaceError(f"{where}: quniform needs low and high to be multiples of step, "
                              f"got [{low:g}, {high:g}] with step {step:g}", key=key)
     f_low, f_high, low_open = field_range(key)
