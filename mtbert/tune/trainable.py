@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
+from mtbert.tune import work_folders
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
 from mtbert.tune.search import MUTABLE_KEYS
 from mtbert.tune.settings import trial_config
@@ -165,7 +165,8 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         cfg = trial_config(base, config)
     except ConfigError as exc:
         raise TrialFailed(f"invalid trial config: {exc}") from None
-    work = Path(tempfile.mkdtemp(prefix="mtbert-trial-"))
+    work_folders.sweep()  # the folders of this node's earlier trials whose worker is gone
+    work = work_folders.make()
 
     import ray
     node_id = ray.get_runtime_context().get_node_id()  # which node ran it (the IP may be shared)
