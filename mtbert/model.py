@@ -196,11 +196,13 @@ class MultitaskModel(nn.Module):
         return TaskOutput(score=out.squeeze(-1), u=u, v=v, cos_score=cos_score)
 
     @torch.no_grad()
-    def predict(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """SST class, QQP probability of duplicate, STS score clamped to 0..5."""
+    def predict(self, task: str, batch: dict[str, torch.Tensor],
+                sst_probabilities: bool = False) -> torch.Tensor:
+        """SST class (its 5 class probabilities with ``sst_probabilities``), QQP probability
+        of duplicate, STS score clamped to 0..5."""
         out = self(task, batch)
         if task == "sst":
-            return out.logits.argmax(-1)
+            return out.logits.float().softmax(-1) if sst_probabilities else out.logits.argmax(-1)
         if task == "qqp":
             return torch.sigmoid(out.logits.float())
         return out.score.float().clamp(0.0, 5.0)

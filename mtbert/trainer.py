@@ -453,11 +453,13 @@ class Trainer:
         per_task, predictions = {}, {}
         for task in TASK_NAMES:
             split = self.data.split(task, split_name)
-            pred = predict_split(self.model, split, self.encodings[task], self.data.pad_id,
-                                 self.cfg.eval_batch_size, self.device, self.autocast,
-                                 self.static_max_length)
+            scores = predict_split(self.model, split, self.encodings[task], self.data.pad_id,
+                                   self.cfg.eval_batch_size, self.device, self.autocast,
+                                   self.static_max_length, sst_probabilities=True)
+            pred = scores.argmax(-1) if task == "sst" else scores
             predictions[task] = pred
-            per_task[task] = task_metrics(task, as_label(task, pred), split.labels)
+            per_task[task] = task_metrics(task, as_label(task, pred), split.labels,
+                                          probabilities=None if task == "sts" else scores)
         if split_name == "val":
             self._last_val_predictions = predictions
         if write_predictions:
@@ -648,21 +650,26 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 @torch.no_grad()
 def predict_split(model: MultitaskModel, split: Split, encoding: str, pad_id: int,
                   batch_size: int, device: torch.device, autocast: bool = False,
-                  static_max_length: int = 0) -> np.ndarray:
-    """Predictions for every row of ``split`` in row order (SST class, QQP probability,
-    STS score). Batches of ``batch_size`` rows in length order (padded to static lengths
-    with ``static_max_length``); predictions stay on the device until one copy per split."""
+                  static_max_length: int = 0, sst_probabilities: bool = False) -> np.ndarray:
+    """Predictions for every row of ``split`` in row order (SST class -- or, with
+    ``sst_probabilities``, its 5 class probabilities, rows x 5 --, QQP probability, STS
+    score). Batches of ``batch_size`` rows in length order (padded to static lengths with
+    ``static_max_length``); predictions stay on the device until one copy per split."""
     model.eval()
     orders, preds = [], []
     for indices in eval_batches(split, batch_size, encoding):
         batch = collate(split, indices, encoding, pad_id, static_max_length)
         batch.pop("labels", None)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            preds.append(model.predict(split.task, to_device(batch, device)).float())
+            preds.append(model.predict(split.task, to_device(batch, device),
+                                       sst_probabilities=sst_probabilities).float())
         orders.append(indices)
-    out = np.zeros(len(split), dtype=np.float64)
+    probabilities = sst_probabilities and split.task == "sst"
+    out = np.zeros((len(split), 5) if probabilities else len(split), dtype=np.float64)
     if preds:
         out[np.concatenate(orders)] = torch.cat(preds).cpu().numpy()
+    if probabilities:
+        return out
     return out.astype(np.int64) if TASKS[split.task].label_kind == "class" else out
 
 

@@ -55,6 +55,36 @@ def test_standard_errors_match_the_bootstrap():
     assert m["val/sts_corr_se"] == pytest.approx(sts_boot.standard_error, rel=0.15)
 
 
+def test_overall_soft_from_gold_class_probabilities_hand_computed():
+    """SST p_gold = the mean probability of each row's gold class (rows x 5), QQP's from
+    p(duplicate) (1 - p where gold is 0); overall_soft puts them in overall's place, with
+    the standard error of a mean, sd / sqrt(n)."""
+    sst_p = np.array([[0.6, 0.1, 0.1, 0.1, 0.1],     # gold 0: 0.6
+                      [0.2, 0.2, 0.2, 0.2, 0.2],     # gold 3: 0.2
+                      [0.0, 0.0, 0.1, 0.0, 0.9]])    # gold 4: 0.9
+    sst = task_metrics("sst", sst_p.argmax(1), np.array([0, 3, 4]), probabilities=sst_p)
+    assert sst["sst_acc"] == pytest.approx(2 / 3)
+    assert sst["sst_p_gold"] == pytest.approx((0.6 + 0.2 + 0.9) / 3)
+    assert sst["sst_p_gold_se"] == pytest.approx(np.std([0.6, 0.2, 0.9], ddof=1) / np.sqrt(3))
+    qqp_p = np.array([0.9, 0.3, 0.2, 0.6])
+    qqp = task_metrics("qqp", (qqp_p >= 0.5).astype(int), np.array([1, 1, 0, 0]),
+                       probabilities=qqp_p)
+    assert qqp["qqp_p_gold"] == pytest.approx((0.9 + 0.3 + 0.8 + 0.4) / 4)
+    sts = task_metrics("sts", np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 3.0, 2.0, 4.0]))
+    m = split_metrics("val", {"sst": sst, "qqp": qqp, "sts": sts})
+    r = m["val/sts_corr"]
+    assert m["val/overall_soft"] == pytest.approx((1.7 / 3 + 0.6 + (r + 1) / 2) / 3)
+    assert m["val/overall"] == pytest.approx((2 / 3 + 0.5 + (r + 1) / 2) / 3)
+    assert m["val/overall_soft_se"] == pytest.approx(np.sqrt(
+        sst["sst_p_gold_se"] ** 2 + qqp["qqp_p_gold_se"] ** 2 + (sts["sts_corr_se"] / 2) ** 2)
+        / 3)
+    # without probabilities (ensembles score hard labels) there is no soft score
+    hard = split_metrics("val", {"sst": task_metrics("sst", sst_p.argmax(1), np.array([0, 3, 4])),
+                                 "qqp": task_metrics("qqp", np.array([1, 0]), np.array([1, 1])),
+                                 "sts": sts})
+    assert "val/overall" in hard and "val/overall_soft" not in hard
+
+
 def test_precision_recall_f1_and_confusion():
     m = task_metrics("qqp", np.array([1, 1, 0, 0, 1]), np.array([1, 0, 0, 1, 1]))
     # tp = 2, fp = 1, fn = 1

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mtbert.tune.records import OBJECTIVE
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -89,6 +91,23 @@ def test_bohb_search_runs_on_the_budgets_rungs(run_search):
     for t in search["summary"]["trials"]:
         assert t["status"] in ("completed", "stopped_early")
         assert t["examples_seen"] >= (192 if t["status"] == "completed" else 48)
+
+
+def test_asha_on_overall_soft_search(run_search):
+    """``--rung-metric overall_soft``: a smoke search runs end to end; every result Ray
+    and MLflow hold has the soft score beside the objective, and the summary and the
+    parent run name what the scheduler decided on."""
+    search = run_search("soft", "--rung-metric", "overall_soft", trials=3)
+    _assert_recorded(search, "asha", "optuna", 3)
+    assert search["summary"]["rung_metric"] == "val/overall_soft"
+    assert "deciding on `val/overall_soft`" in (search["exp_dir"] / "summary.md").read_text()
+    parent = next(r for r in search["runs"] if r.data.tags.get("kind") == "search")
+    assert parent.data.params["rung_metric"] == "val/overall_soft"
+    for df in search["ray"].trial_dataframes.values():
+        assert df["val/overall_soft"].between(0, 1).all()
+        assert (df["val/overall_soft_se"] > 0).all()
+    saved = json.loads((search["exp_dir"] / "mtbert_search.json").read_text())["args"]
+    assert saved["rung_metric"] == "overall_soft"  # --resume decides on it again
 
 
 def test_optuna_multivariate_search(run_search):
@@ -237,11 +256,38 @@ def test_hyperband_brackets_start_on_the_budgets_rungs():
     from mtbert.tune.schedulers import HyperBandOnRungs
     for budget in BUDGETS.values():
         budget = budget.resolved(100_000)
-        scheduler = HyperBandOnRungs(budget)
+        scheduler = HyperBandOnRungs(budget, OBJECTIVE)
         starts = [scheduler._get_r0(s) * budget.grace_period
                   for s in range(scheduler._s_max_1)]
         assert min(starts) == budget.grace_period, budget.name
         assert set(starts) <= set(budget.rungs()), budget.name
+
+
+@pytest.mark.parametrize("rung_metric, stopped", [("overall_soft", True), ("overall", False)])
+def test_asha_decides_on_the_rung_metric(rung_metric, stopped):
+    """Built on a rung metric, ASHA keeps it when the Tuner passes the objective (Ray
+    refuses a scheduler with its own metric otherwise) and cuts on it: at the first rung
+    trial b is above a on val/overall but below it on val/overall_soft."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler
+    budget = get_budget("smoke").resolved(1000)
+    asha = build_scheduler("asha", budget, rung_metric=RUNG_METRICS[rung_metric])
+    assert asha.set_search_properties(OBJECTIVE, "max")  # what Tuner(metric=...) does
+    assert asha._metric == RUNG_METRICS[rung_metric]
+    a, b = SimpleNamespace(trial_id="a"), SimpleNamespace(trial_id="b")
+    rung = {"examples_seen": budget.grace_period}
+    decisions = []
+    for trial, hard, soft in ((a, 0.60, 0.50), (b, 0.70, 0.40)):
+        asha.on_trial_add(None, trial)
+        decisions.append(asha.on_trial_result(
+            None, trial, {**rung, OBJECTIVE: hard, RUNG_METRICS["overall_soft"]: soft}))
+    assert decisions == [TrialScheduler.CONTINUE,
+                         TrialScheduler.STOP if stopped else TrialScheduler.CONTINUE]
 
 
 def test_actors_are_reused_only_where_no_trial_pauses_and_no_node_can_die():

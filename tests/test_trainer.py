@@ -118,6 +118,40 @@ def test_metrics_match_the_written_predictions(tiny_config, tmp_path):
     assert trainer.evaluate("val")["val/overall"] == pytest.approx(metrics["val/overall"])
 
 
+def test_soft_scores_are_the_models_gold_class_probabilities_row_by_row(tiny_config, tmp_path):
+    """val/sst_p_gold and val/qqp_p_gold equal the probabilities of the gold class that the
+    model gives each row scored alone (so the length-ordered batches are put back in row
+    order); the SST classes are those probabilities' argmax; overall_soft combines them."""
+    import torch
+
+    from mtbert.data import collate
+    cfg = tiny_config(epochs=1, eval_dev=False)
+    trainer = Trainer(cfg, load_data(cfg), tmp_path, checkpoints=False)
+    trainer.fit()
+    metrics = trainer.evaluate("val")
+    model = trainer.model.eval()
+    for task in ("sst", "qqp"):
+        split = trainer.data.split(task, "val")
+        p_gold = []
+        for row in range(len(split)):
+            batch = collate(split, np.array([row]), trainer.encodings[task], trainer.data.pad_id)
+            batch.pop("labels")
+            with torch.no_grad():
+                logits = model(task, batch).logits.float()[0]
+            gold = int(split.labels[row])
+            p = logits.softmax(-1)[gold] if task == "sst" else torch.sigmoid(logits).reshape(())
+            p_gold.append(float(p) if task == "sst" or gold == 1 else 1.0 - float(p))
+        assert metrics[f"val/{task}_p_gold"] == pytest.approx(np.mean(p_gold), abs=1e-5), task
+        assert metrics[f"val/{task}_p_gold_se"] == pytest.approx(
+            np.std(p_gold, ddof=1) / np.sqrt(len(p_gold)), abs=1e-5), task
+    assert metrics["val/overall_soft"] == pytest.approx(overall_score(
+        metrics["val/sst_p_gold"], metrics["val/qqp_p_gold"], metrics["val/sts_corr"]))
+    hard = trainer._last_val_predictions["sst"]
+    assert hard.ndim == 1 and hard.dtype == np.int64
+    assert metrics["val/sst_acc"] == pytest.approx(
+        float((hard == trainer.data.split("sst", "val").labels).mean()))
+
+
 @pytest.mark.parametrize("schedule,update,extra,stop_after", [
     ("random_order", "per_task", {}, 2),
     ("sqrt", "summed", {}, 2),

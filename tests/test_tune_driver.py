@@ -280,7 +280,11 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
         assert df["examples_seen"].iloc[0] == 0 and df["time/train_s"].iloc[0] == 0
         assert (df["time/train_s"].iloc[1:] > 0).all() and (df["time/eval_s"] > 0).all()
         assert (df["time/startup_s"] >= df["time/setup_s"]).all()
-        assert (df["time/train_s"] + df["time/eval_s"] <= df["time_total_s"]).all()
+        # (the trial's own clock: entry to report.  Not Ray's time_total_s, which counts
+        # only the time Ray spends waiting in train(): the trainer reports from its
+        # checkpoint thread while training goes on, so it fell 3 ms short once)
+        spent = df["time/reported_at"] - df["time/entered_at"]
+        assert (df["time/train_s"] + df["time/eval_s"] <= spent).all()
         assert (df["time/entered_at"] <= df["timestamp"] + 1).all()
         status = summary_trials[trial.trial_id]["status"]
         assert run.data.tags["status"] == status

@@ -126,7 +126,8 @@ def _settings(tmp_path: Path, storage_uri: str | None = None) -> SearchSettings:
         location=ExperimentLocation(tmp_path / "stage", "exp", storage_uri),
         storage_arg=storage_uri or str(tmp_path), mlflow_uri="sqlite:///x.db",
         mlflow_fallback=None, base={"model": "m", "data_dir": "d", **budget.trial_fields()},
-        resume=False, search_alg="optuna", scheduler="asha", seed=0, cpus_per_trial=1.0,
+        resume=False, search_alg="optuna", scheduler="asha", rung_metric="overall", seed=0,
+        cpus_per_trial=1.0,
         gpus_per_trial=0.0, max_concurrent=None, ensemble="vote", keep_checkpoints="best",
         max_failures=2,
         address=None, mlflow_fallback_local=False)

@@ -15,6 +15,7 @@ import sys
 from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import MtbertError
 from mtbert.tune.budgets import BUDGETS
+from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS
 from mtbert.tune.retention import KEEP_CHOICES
 from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
 from mtbert.tune.spaces import list_spaces
@@ -71,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
                         "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
                         f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER}")
+    p.add_argument("--rung-metric", default=DEFAULT_RUNG_METRIC, choices=list(RUNG_METRICS),
+                   help="what the scheduler compares trials on at its rungs (PBT / PB2: at "
+                        "each interval): overall, the objective (val/overall); overall_soft "
+                        "(val/overall_soft), each accuracy replaced by the mean probability "
+                        "of the gold class -- smooth where early accuracies all sit on the "
+                        "majority class. The searcher and the selection always use "
+                        f"val/overall. Default {DEFAULT_RUNG_METRIC}")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
                    help="Ray results: a local folder (default ./ray_results) or, for a "

@@ -17,13 +17,14 @@ import sys
 from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
 from mtbert.tune import finalists as fin
+from mtbert.tune import work_folders
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
 from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
                                         ui_links)
-from mtbert.tune.records import OBJECTIVE, collect_trials, ranked
+from mtbert.tune.records import OBJECTIVE, RUNG_METRICS, collect_trials, ranked
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
@@ -92,7 +93,8 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     print(f"[tune] space {settings.space.name}: {', '.join(settings.space.searched)}; budget "
           f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, rungs grace "
           f"{budget.grace_period} rf {budget.reduction_factor:g}; scheduler "
-          f"{settings.scheduler}, searcher {settings.search_alg}; {settings.num_samples} "
+          f"{settings.scheduler} on {RUNG_METRICS[settings.rung_metric]}, searcher "
+          f"{settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
     return tracker, parent
 
@@ -103,7 +105,8 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
     params = {"space": s.space.name, "budget": budget.name, "num_samples": s.num_samples,
               "max_concurrent": max_concurrent, "cpus_per_trial": s.cpus_per_trial,
               "gpus_per_trial": s.gpus_per_trial, "search_alg": s.search_alg,
-              "scheduler": s.scheduler, "seed": s.seed,
+              "scheduler": s.scheduler, "rung_metric": RUNG_METRICS[s.rung_metric],
+              "seed": s.seed,
               "split_seed": s.base.get("split_seed", 0), "model": s.base["model"],
               "data_dir": s.base["data_dir"], "ensemble": s.ensemble,
               "ensemble_top_k": s.top_k, "max_failures": s.max_failures,
@@ -134,6 +137,8 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     tuner = build_tuner(settings, trainable, [callback], max_concurrent)
     with InterruptWatch() as watch:
         grid = tuner.fit()
+    # Ray ends stopped and paused trials' workers before their clean-up runs
+    work_folders.sweep(wait_s=5.0)
     return grid, watch.interrupted
 
 

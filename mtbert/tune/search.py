@@ -40,7 +40,7 @@ from typing import Any
 
 from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
-from mtbert.tune.records import MODE, OBJECTIVE
+from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS
 
 #: the default search: ASHA + Optuna's independent TPE, the pair bench/search_efficiency.py
 #: ranks first among those it measured over 3 seeds (README "Search efficiency")
@@ -159,13 +159,14 @@ def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int):
                               max_concurrent=max_concurrent)
 
 
-def build_scheduler(name: str, budget: Budget, space=None):
+def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OBJECTIVE):
+    """The ``--scheduler``, comparing trials on ``rung_metric`` (a value of RUNG_METRICS)."""
     from ray.tune import schedulers
     if name == "fifo":
         return schedulers.FIFOScheduler()
     if name == "bohb":
         from mtbert.tune.schedulers import HyperBandOnRungs
-        return HyperBandOnRungs(budget)
+        return HyperBandOnRungs(budget, rung_metric)
     if name in POPULATION_SCHEDULERS:
         from mtbert.tune.schedulers import PB2ToTheEnd, PBTToTheEnd
         found = mutations(space, name)
@@ -173,16 +174,16 @@ def build_scheduler(name: str, budget: Budget, space=None):
         # than run at once they take turns; asynchronous PBT then compares the trial
         # reporting with the others' earlier scores, which it nearly always beats (in a
         # smoke search it never exploited once)
-        common = dict(budget=budget, quantile_fraction=0.25, log_config=True, synch=True)
+        common = dict(budget=budget, metric=rung_metric, quantile_fraction=0.25,
+                      log_config=True, synch=True)
         if name == "pb2":
             return PB2ToTheEnd(hyperparam_bounds=found, **common)
         bounds = {k: (p.low, p.high) for k, p in space.searched.items()
                   if k in found and p.dist != "choice"}
         return PBTToTheEnd(hyperparam_mutations=found, resample_probability=0.25,
                            custom_explore_fn=_ClipToSpace(bounds), **common)
-    return schedulers.ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
-                                    grace_period=budget.grace_period,
-                                    reduction_factor=budget.reduction_factor)
+    from mtbert.tune.schedulers import ASHAOnExamples
+    return ASHAOnExamples(budget, rung_metric)
 
 
 def reuses_actors(scheduler: str, address: str | None) -> bool:
@@ -216,7 +217,8 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 settings.search_alg, settings.seed,
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples),
-            scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space),
+            scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
+                                      RUNG_METRICS[settings.rung_metric]),
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(

@@ -28,6 +28,7 @@ from mtbert.errors import ConfigError
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan
+from mtbert.tune.records import DEFAULT_RUNG_METRIC
 from mtbert.tune.search import (POPULATION_SCHEDULERS, check_optional_packages, mutations,
                                 resolve_search_alg)
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
@@ -55,6 +56,7 @@ class SearchSettings:
     resume: bool
     search_alg: str
     scheduler: str
+    rung_metric: str                 # a key of records.RUNG_METRICS
     seed: int
     cpus_per_trial: float
     gpus_per_trial: float | None    # None: chosen from the cluster (with_resources)
@@ -91,8 +93,8 @@ class SearchSettings:
                 "budget": self.budget.name, "num_samples": self.num_samples,
                 "max_concurrent": self.max_concurrent, "cpus_per_trial": self.cpus_per_trial,
                 "gpus_per_trial": self.gpus_per_trial, "search_alg": self.search_alg,
-                "scheduler": self.scheduler, "seed": self.seed,
-                "storage_path": self.location.ray_storage, "experiment": self.experiment,
+                "scheduler": self.scheduler, "rung_metric": self.rung_metric,
+                "seed": self.seed, "storage_path": self.location.ray_storage, "experiment": self.experiment,
                 "mlflow_uri": self.mlflow_uri, "mlflow_fallback_local": self.mlflow_fallback_local,
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
                 "keep_checkpoints": self.keep_checkpoints,
@@ -176,7 +178,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
         mlflow_uri=mlflow_uri, mlflow_fallback=mlflow_fallback, base=base,
         resume=bool(args.resume), search_alg=search_alg, scheduler=args.scheduler,
-        seed=args.seed, cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
+        rung_metric=getattr(args, "rung_metric", DEFAULT_RUNG_METRIC), seed=args.seed, cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mtbert.metrics import scalar_metrics
-from mtbert.tune.records import MODE, OBJECTIVE, TrialRecord, TrialStatus
+from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS, TrialRecord, TrialStatus
 from mtbert.tune.settings import trial_config_values
 
 NAN = float("nan")
@@ -117,6 +117,7 @@ class SearchSummary:
     budget: dict[str, Any]
     search_alg: str
     scheduler: str
+    rung_metric: str                 # what the scheduler compared trials on
     seed: int
     num_samples: int
     resources: dict[str, Any]        # per trial CPUs and GPU share, trials at once, the rule
@@ -212,7 +213,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         experiment=settings.experiment, experiment_dir=str(exp_dir),
         space={"name": space.name, "path": space.path, **space.to_dict()},
         budget=settings.budget.to_dict(), search_alg=settings.search_alg,
-        scheduler=settings.scheduler, seed=settings.seed, num_samples=settings.num_samples,
+        scheduler=settings.scheduler, rung_metric=RUNG_METRICS[settings.rung_metric],
+        seed=settings.seed, num_samples=settings.num_samples,
         resources=asdict(settings.resources) if settings.resources else {},
         objective=OBJECTIVE, mode=MODE, counts=counts,
         interrupted=interrupted or counts.interrupted > 0, best_trial=best_trial,
@@ -241,8 +243,9 @@ def _markdown(s: SearchSummary) -> str:
     lines = [f"# Search `{s.experiment}`", "",
              f"space `{s.space['name']}` ({s.space['description']}), budget "
              f"`{s.budget['name']}`, searcher `{s.search_alg}` (seed {s.seed}), scheduler "
-             f"`{s.scheduler}`, objective `{s.objective}` (max, validation split carved from "
-             "train; dev is reported, never used to select).", ""]
+             f"`{s.scheduler}` (deciding on `{s.rung_metric}`), objective `{s.objective}` "
+             "(max, validation split carved from train; dev is reported, never used to "
+             "select).", ""]
     if s.resources:
         r = s.resources
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "

@@ -1,0 +1,121 @@
+"""What an early rung knows: do the scores at ASHA's rungs rank report 004's grid as the
+full-budget trainings do?
+
+    python bench/rung_signal.py [--seeds 0,1,2] [--stop 600]
+        [--out bench_results/search_efficiency] [--runs OUT/runs.json]
+
+Trains the grid's 10 configurations (dropout 0.1 ... 0.5 x lambda_s 1, 5) per seed with
+``bench/search_efficiency.py``'s settings (data slices, model, lr, warm-up, workers) and
+its ASHA rungs (evaluations at 222 and 666 examples), stopping past the second rung, and
+ranks them at each rung by every score against their full-budget validation overall --
+the same seed's grid run kept in ``--runs`` (the trainings are seeded and deterministic
+on the CPU, so a configuration's first 666 examples are those of its full training).
+Prints, per seed and rung, Spearman's rho of each score with the final one; writes the
+scores to ``OUT/rung_signal.json`` (Ray's trial folders to ``OUT/rung_signal``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+#: the scores compared: the objective, its soft stand-in and their parts
+SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",
+          "val/qqp_p_gold", "val/sts_corr")
+
+
+def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
+    from ray import tune
+
+    import search_efficiency as se
+    from mtbert.config import TrainConfig
+    from mtbert.data import default_cache_dir, load_data
+    from mtbert.tune import cluster, work_folders
+    from mtbert.tune.settings import run_fields
+    from mtbert.tune.trainable import train_trial
+    base = {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
+            "cache_dir": str(default_cache_dir("").resolve()),
+            "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
+            "lr": args.lr, "batch_size": args.batch_size,
+            "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
+    data = load_data(TrainConfig.from_dict(base, source="bench"))
+    budget = se.bench_budget(args, se.METHODS[se.DEFAULT_METHOD])
+    cluster.start_local_ray(num_cpus=args.workers)
+    rows = []
+    for seed in seeds:
+        trial_base = {**base, **run_fields(budget, "asha"), "seed": seed,
+                      "eval_at_start": False}
+        trainable = tune.with_resources(
+            tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
+        grid = {"dropout": tune.grid_search(list(se.DROPOUTS)),
+                "smart_lambda_sst": tune.grid_search(list(se.LAMBDAS))}
+        storage = Path(args.out).resolve() / "rung_signal"
+        tuner = tune.Tuner(trainable, param_space=grid, tune_config=tune.TuneConfig(
+            num_samples=1), run_config=tune.RunConfig(
+                name=f"seed{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
+                storage_path=str(storage), stop={"examples_seen": args.stop}, verbose=0,
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=1)))
+        for result in tuner.fit():
+            for _, row in result.metrics_dataframe.iterrows():
+                rows.append({"seed": seed, "dropout": result.config["dropout"],
+                             "smart_lambda_sst": result.config["smart_lambda_sst"],
+                             "examples": int(row["examples_seen"]),
+                             **{k: float(row[k]) for k in SCORES}})
+        work_folders.sweep(wait_s=5.0)
+    return rows
+
+
+def correlations(rows: list[dict], grid_runs: dict) -> list[dict]:
+    """Per seed and rung: Spearman's rho of each score with the full-budget val overall."""
+    from scipy import stats
+    out = []
+    for seed in sorted({r["seed"] for r in rows}):
+        final = {(t["config"]["dropout"], t["config"]["smart_lambda_sst"]): t["best_val"]
+                 for t in grid_runs[str(seed)]["trials"]}
+        for rung in sorted({r["examples"] for r in rows if r["seed"] == seed}):
+            at = [r for r in rows if r["seed"] == seed and r["examples"] == rung]
+            full = [final[(r["dropout"], r["smart_lambda_sst"])] for r in at]
+            out.append({"seed": seed, "examples": rung, "configs": len(at), "rho": {
+                k: float(stats.spearmanr([r[k] for r in at], full).statistic) for k in SCORES}})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import search_efficiency as se
+    parser = se.build_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--stop", type=int, default=600,
+                        help="stop each training at the first evaluation past this many "
+                             "examples (600: past the second rung, 666)")
+    parser.add_argument("--runs", help="search_efficiency's runs.json with the grid's runs "
+                                       "(default OUT/runs.json)")
+    p, args = se.parse_args(argv, parser)
+    runs_file = Path(args.runs or Path(args.out) / "runs.json")
+    grid_runs = json.loads(runs_file.read_text())["runs"].get("grid", {})
+    missing = [s for s in args.seed_list if str(s) not in grid_runs]
+    if missing:
+        p.error(f"{runs_file}: no grid run for seeds {missing} (run bench/search_efficiency.py "
+                "--methods grid first)")
+    from mtbert.tune import cluster
+    cluster.quiet_environment()
+    rows = train_to_the_second_rung(args, args.seed_list)
+    table = correlations(rows, grid_runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rung_signal.json").write_text(json.dumps({"rows": rows, "rho": table}, indent=1))
+    print(f"\nSpearman rho with the full-budget val overall ({len(se.DROPOUTS) * len(se.LAMBDAS)}"
+          " configurations per seed)")
+    print(f"{'seed':>4} {'examples':>8} " + " ".join(f"{k[4:]:>13}" for k in SCORES))
+    for t in table:
+        print(f"{t['seed']:>4} {t['examples']:>8} "
+              + " ".join(f"{t['rho'][k]:>13.2f}" for k in SCORES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
