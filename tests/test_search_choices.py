@@ -250,6 +250,29 @@ def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model
     assert not (tmp_path / "out").exists()
 
 
+def test_rung_metric_default_and_resume_of_a_search_saved_before_it(tmp_path, tiny_model_dir,
+                                                                   tiny_data_dir):
+    """The default rung metric is overall_soft; --resume of a search whose saved settings
+    predate --rung-metric decides (and says it decides) on the objective, as it did; a
+    saved rung metric is kept."""
+    from mtbert.tune.cli import build_parser
+    from mtbert.tune.settings import SETTINGS_FILE, resolve_settings
+    argv = ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir, "--data-dir",
+            tiny_data_dir, "--storage-path", str(tmp_path / "out"), "--experiment", "old"]
+    settings = resolve_settings(build_parser().parse_args(argv))
+    assert settings.rung_metric == "overall_soft"
+    saved = settings.saved()
+    exp = tmp_path / "out" / "old"
+    exp.mkdir(parents=True)
+    for kept, expected in ((None, "overall"), ("overall_soft", "overall_soft")):
+        args = {k: v for k, v in saved["args"].items() if k != "rung_metric"}
+        if kept:
+            args["rung_metric"] = kept
+        (exp / SETTINGS_FILE).write_text(json.dumps({**saved, "args": args}))
+        resumed = resolve_settings(build_parser().parse_args([*argv, "--resume"]))
+        assert resumed.rung_metric == expected
+
+
 def test_hyperband_brackets_start_on_the_budgets_rungs():
     """Every bracket's first milestone, in examples, is one of the budget's ASHA rungs."""
     from mtbert.tune.budgets import BUDGETS

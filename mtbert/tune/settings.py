@@ -219,6 +219,9 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
         raise ConfigError(f"--resume: {where.ray_experiment} finished and its training states "
                           f"were removed (--keep-checkpoints {saved['args'].get('keep_checkpoints')}"
                           "): nothing to resume; start a new search with another --experiment")
+    # a search saved before --rung-metric existed decided on the objective (Tuner.restore
+    # brings back that scheduler; the summary must name what it decides on)
+    saved["args"].setdefault("rung_metric", "overall")
     # the original settings win: the data, space and budget must not drift
     for key, value in saved["args"].items():
         if key not in _RESUME_OWN:
