@@ -12,7 +12,8 @@ Searchers (``--search-alg``):
   PBT / PB2;
 * ``bohb``: ``TuneBOHB`` (Falkner et al. 2018: TPE-like kernel densities per budget).
 
-Schedulers (``--scheduler``), all on examples seen:
+Schedulers (``--scheduler``), all on examples seen, comparing trials on ``--rung-metric``
+(schedulers.py):
 
 * ``asha``: ASHA (Li et al. 2020) stops the weak trials at the budget's rungs;
 * ``fifo``: every trial trains its whole budget;
@@ -42,8 +43,9 @@ from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
 from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS
 
-#: the default search: ASHA + Optuna's independent TPE, the pair bench/search_efficiency.py
-#: ranks first among those it measured over 3 seeds (README "Search efficiency")
+#: the default search: ASHA (deciding on records.DEFAULT_RUNG_METRIC) + Optuna's independent
+#: TPE, what bench/search_efficiency.py ranks first among the pairs it measured over 3 seeds
+#: (README "Search efficiency")
 DEFAULT_SCHEDULER = "asha"
 DEFAULT_SEARCHER = "optuna"
 SCHEDULERS = ("asha", "fifo", "bohb", "pbt", "pb2")
