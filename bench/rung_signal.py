@@ -35,15 +35,11 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
 
     import search_efficiency as se
     from mtbert.config import TrainConfig
-    from mtbert.data import default_cache_dir, load_data
+    from mtbert.data import load_data
     from mtbert.tune import cluster, work_folders
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
-    base = {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
-            "cache_dir": str(default_cache_dir("").resolve()),
-            "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
-            "lr": args.lr, "batch_size": args.batch_size,
-            "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
+    base = se.bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     budget = se.bench_budget(args, se.METHODS[se.DEFAULT_METHOD])
     cluster.start_local_ray(num_cpus=args.workers)

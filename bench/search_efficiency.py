@@ -586,19 +586,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench_base(args) -> dict:
+    """The TrainConfig fields every trial of the bench shares (data slices, model, lr,
+    batch, one CPU thread)."""
+    from mtbert.data import default_cache_dir
+    return {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
+            "cache_dir": str(default_cache_dir("").resolve()),
+            "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
+            "lr": args.lr, "batch_size": args.batch_size,
+            "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
+
+
 def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
     """Run every (seed, method) asked for; each finished run is added to runs.json."""
     import ray
 
     from mtbert.config import TrainConfig
-    from mtbert.data import default_cache_dir, load_data
+    from mtbert.data import load_data
     from mtbert.tune import cluster
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
-    base = {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
-            "cache_dir": str(default_cache_dir("").resolve()),
-            "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
-            "lr": args.lr, "batch_size": args.batch_size,
-            "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
+    base = bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     print(f"[bench] training rows {data.train_sizes()}; one full training = "
           f"{args.full_examples} examples; {args.workers} workers; seeds {args.seed_list}",
