@@ -141,7 +141,6 @@ def search_setup(name: str, args, seed: int):
     """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
     from ray import tune
 
-    from mtbert.tune.records import RUNG_METRICS
     from mtbert.tune.search import POPULATION_SCHEDULERS, build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     method = METHODS[name]
