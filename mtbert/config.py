@@ -107,6 +107,9 @@ class TrainConfig:
     batch_size_qqp: int = field(default=0, metadata=_meta("QQP batch size (0 = batch_size)", low=0))
     batch_size_sts: int = field(default=0, metadata=_meta("STS batch size (0 = batch_size)", low=0))
     eval_batch_size: int = field(default=128, metadata=_meta("evaluation batch size", low=1))
+    eval_batch_tokens: int = field(default=0, metadata=_meta(
+        "padded tokens per evaluation batch at most (0 = auto: 1,024 on a CPU, no cap on a GPU)",
+        low=0))
     lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate of the encoder",
                                                    low=0.0, high=1.0, low_open=True))
     head_lr_multiplier: float = field(default=1.0, metadata=_meta(

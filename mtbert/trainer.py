@@ -34,7 +34,8 @@ import torch
 
 from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig, coerce_value, read_yaml_file
-from mtbert.data import MultitaskData, Split, TaskBatcher, collate, encoding_for, eval_batches
+from mtbert.data import (MultitaskData, Split, TaskBatcher, collate, encoding_for, eval_batches,
+                         eval_token_cap)
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
@@ -145,6 +146,7 @@ class Trainer:
         buckets = cfg.pad_lengths == "buckets" or (cfg.pad_lengths == "auto"
                                                    and self.device.type == "cuda")
         self.static_max_length = data.max_length if buckets else 0
+        self.eval_max_tokens = eval_token_cap(cfg.eval_batch_tokens, self.device.type)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -455,7 +457,8 @@ class Trainer:
             split = self.data.split(task, split_name)
             scores = predict_split(self.model, split, self.encodings[task], self.data.pad_id,
                                    self.cfg.eval_batch_size, self.device, self.autocast,
-                                   self.static_max_length, sst_probabilities=True)
+                                   self.static_max_length, sst_probabilities=True,
+                                   max_tokens=self.eval_max_tokens)
             pred = scores.argmax(-1) if task == "sst" else scores
             predictions[task] = pred
             per_task[task] = task_metrics(task, as_label(task, pred), split.labels,
@@ -474,7 +477,8 @@ class Trainer:
                 predictions[task] = predict_split(self.model, split, self.encodings[task],
                                                   self.data.pad_id, self.cfg.eval_batch_size,
                                                   self.device, self.autocast,
-                                                  self.static_max_length)
+                                                  self.static_max_length,
+                                                  max_tokens=self.eval_max_tokens)
         self.write_predictions("test", predictions)
 
     def write_predictions(self, split_name: str, predictions: dict[str, np.ndarray],
@@ -650,14 +654,16 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 @torch.no_grad()
 def predict_split(model: MultitaskModel, split: Split, encoding: str, pad_id: int,
                   batch_size: int, device: torch.device, autocast: bool = False,
-                  static_max_length: int = 0, sst_probabilities: bool = False) -> np.ndarray:
+                  static_max_length: int = 0, sst_probabilities: bool = False,
+                  max_tokens: int = 0) -> np.ndarray:
     """Predictions for every row of ``split`` in row order (SST class -- or, with
     ``sst_probabilities``, its 5 class probabilities, rows x 5 --, QQP probability, STS
-    score). Batches of ``batch_size`` rows in length order (padded to static lengths with
-    ``static_max_length``); predictions stay on the device until one copy per split."""
+    score). Batches of ``batch_size`` rows (and ``max_tokens`` padded tokens, if not 0) in
+    length order (padded to static lengths with ``static_max_length``); predictions stay
+    on the device until one copy per split."""
     model.eval()
     orders, preds = [], []
-    for indices in eval_batches(split, batch_size, encoding):
+    for indices in eval_batches(split, batch_size, encoding, max_tokens):
         batch = collate(split, indices, encoding, pad_id, static_max_length)
         batch.pop("labels", None)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):

@@ -243,3 +243,36 @@ def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, ti
     assert (stats.misses, stats.hits) == (2, 0) and len(again.a) == len(table.ids) == 30
     assert np.array_equal(again.pair.values, first.pair.values)
     assert tokenize_cached(table, tokenizer, 32, tmp_path, stats) and stats.hits == 1
+
+
+def test_eval_batches_cap_rows_and_padded_tokens_and_cover_each_row_once():
+    from mtbert.data import Ragged, Split, TokenTable, eval_batches
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(3, 120, size=500)
+    lengths[7] = 1500  # one row longer than the cap: a batch alone
+    split = Split("sst", "val", [str(i) for i in range(500)], np.zeros(500, dtype=np.int64),
+                  TokenTable(a=Ragged.from_lists([list(range(int(n))) for n in lengths])))
+    for batch_size, max_tokens in ((128, 0), (128, 1024), (16, 1024), (64, 4096)):
+        batches = list(eval_batches(split, batch_size, "single", max_tokens))
+        assert sorted(np.concatenate(batches).tolist()) == list(range(500))
+        assert all(1 <= len(b) <= batch_size for b in batches)
+        padded = [len(b) * int(lengths[b].max()) for b in batches]
+        if max_tokens:
+            assert all(p <= max_tokens or len(b) == 1 for p, b in zip(padded, batches))
+            # greedy: a batch stops only where the next row would break a cap
+            for b, nxt in zip(batches, batches[1:]):
+                assert len(b) == batch_size or (len(b) + 1) * int(lengths[nxt[0]]) > max_tokens
+        else:
+            assert [len(b) for b in batches] == [128, 128, 128, 116]
+    capped = list(eval_batches(split, 128, "single", 1024))
+    assert [b.tolist() for b in capped if 7 in b] == [[7]]
+    # fewer padded tokens than row batches of the same length order
+    assert sum(len(b) * int(lengths[b].max()) for b in capped) < sum(
+        len(b) * int(lengths[b].max()) for b in eval_batches(split, 128, "single"))
+
+
+def test_eval_token_cap_auto_is_a_cap_on_the_cpu_only():
+    from mtbert.data import EVAL_TOKENS_CPU, eval_token_cap
+    assert eval_token_cap(0, "cpu") == EVAL_TOKENS_CPU
+    assert eval_token_cap(0, "cuda") == 0
+    assert eval_token_cap(4096, "cuda") == 4096 and eval_token_cap(512, "cpu") == 512

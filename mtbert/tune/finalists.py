@@ -25,7 +25,7 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu",
     """{split: {task: raw prediction}} of one best checkpoint on ``splits`` (val, dev, test)."""
     import torch
 
-    from mtbert.data import encoding_for
+    from mtbert.data import encoding_for, eval_token_cap
     from mtbert.tasks import TASK_NAMES
     from mtbert.trainer import load_checkpoint_model, predict_split
 
@@ -40,7 +40,8 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu",
                 continue
             out[split_name][task] = predict_split(
                 model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
-                cfg.eval_batch_size, dev, autocast=dev.type == "cuda")
+                cfg.eval_batch_size, dev, autocast=dev.type == "cuda",
+                max_tokens=eval_token_cap(cfg.eval_batch_tokens, dev.type))
     return out
 
 
