@@ -86,6 +86,8 @@ METHODS = {
     "asha_tpe_indep_steps": Method("ASHA + independent TPE, stepped space", "asha", "optuna",
                                    space="steps"),
     "bohb": Method("BOHB (HyperBand + TuneBOHB)", "bohb", "bohb"),
+    "bohb_soft": Method("BOHB deciding on overall_soft", "bohb", "bohb",
+                        rung_metric="overall_soft"),
     "pbt": Method("PBT", "pbt", "random"),
     "pb2": Method("PB2 (PBT with a GP bandit)", "pb2", "random"),
 }
