@@ -562,8 +562,9 @@ def eval_batches(split: Split, batch_size: int, encoding: str, max_tokens: int =
     while start < len(order):
         stop = min(start + batch_size, len(order))
         if max_tokens:
-            # the rows are in length order: row i padded to lengths[order[i]] is the batch's
-            fits = (np.arange(start, stop) - start + 1) * lengths[order[start:stop]] <= max_tokens
-            stop = start + max(1, int(np.argmin(fits)) if not fits.all() else stop - start)
+            # in length order the k-th row is its batch's longest: k rows pad to k x its
+            # length, which grows with k, so the rows that fit are a prefix
+            fits = np.arange(1, stop - start + 1) * lengths[order[start:stop]] <= max_tokens
+            stop = start + max(1, int(fits.sum()))
         yield order[start:stop]
         start = stop
