@@ -89,6 +89,8 @@ METHODS = {
     "bohb_soft": Method("BOHB deciding on overall_soft", "bohb", "bohb",
                         rung_metric="overall_soft"),
     "pbt": Method("PBT", "pbt", "random"),
+    "pbt_soft": Method("PBT deciding on overall_soft", "pbt", "random",
+                       rung_metric="overall_soft"),
     "pb2": Method("PB2 (PBT with a GP bandit)", "pb2", "random"),
 }
 
