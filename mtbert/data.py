@@ -555,7 +555,8 @@ def eval_token_cap(eval_batch_tokens: int, device_type: str) -> int:
 def eval_batches(split: Split, batch_size: int, encoding: str, max_tokens: int = 0):
     """Index batches in length order (least padding); callers restore row order. A batch
     holds at most ``batch_size`` rows and, with ``max_tokens``, at most that many padded
-    tokens (rows x its longest row; a longer row is a batch alone)."""
+    tokens (rows x its longest row; a longer row is a batch alone). The count is before
+    any static-length rounding (``pad_lengths=buckets``), which ``collate`` adds later."""
     lengths = split.lengths(encoding)
     order = np.argsort(lengths, kind="stable")
     start = 0
