@@ -9,6 +9,11 @@ overall_soft = (SST p_gold + QQP p_gold + (STS r + 1) / 2) / 3, where ``p_gold``
 probability the model gives each row's gold class (the accuracy expected when sampling
 from the model).  It moves with every step, where a hard accuracy sits on the majority
 class for the first hundreds of examples: what a scheduler's early rungs can rank on.
+
+classes_soft = (SST p_gold + QQP p_gold) / 2: the classifiers' part of overall_soft.  In
+the first steps the STS head's r is noise (bench/rung_signal.py: rank correlation with the
+full trainings -0.73 to 0.67 at 224 examples, where both p_gold rank 0.95-0.98), and
+through (r + 1) / 2 it moves overall_soft more than the two probabilities do.
 """
 
 from __future__ import annotations
@@ -130,7 +135,8 @@ def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray,
 
 def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[str, object]:
     """Prefix each task's metrics (``val/sst_acc``) and add ``<prefix>/overall`` (and
-    ``<prefix>/overall_soft`` where the classifiers' gold probabilities are there)."""
+    ``<prefix>/overall_soft``, ``<prefix>/classes_soft`` where the classifiers' gold
+    probabilities are there)."""
     out: dict[str, object] = {}
     for metrics in per_task.values():
         out.update({f"{prefix}/{k}": v for k, v in metrics.items()})
@@ -147,4 +153,9 @@ def split_metrics(prefix: str, per_task: dict[str, dict[str, object]]) -> dict[s
         out[f"{prefix}/overall_soft_se"] = overall_standard_error(
             out[f"{prefix}/sst_p_gold_se"], out[f"{prefix}/qqp_p_gold_se"],
             out[f"{prefix}/sts_corr_se"])
+    if all(f"{prefix}/{k}" in out for k in ("sst_p_gold", "qqp_p_gold")):
+        out[f"{prefix}/classes_soft"] = (out[f"{prefix}/sst_p_gold"]
+                                         + out[f"{prefix}/qqp_p_gold"]) / 2.0
+        out[f"{prefix}/classes_soft_se"] = math.hypot(out[f"{prefix}/sst_p_gold_se"],
+                                                      out[f"{prefix}/qqp_p_gold_se"]) / 2.0
     return out

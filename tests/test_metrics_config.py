@@ -78,11 +78,16 @@ def test_overall_soft_from_gold_class_probabilities_hand_computed():
     assert m["val/overall_soft_se"] == pytest.approx(np.sqrt(
         sst["sst_p_gold_se"] ** 2 + qqp["qqp_p_gold_se"] ** 2 + (sts["sts_corr_se"] / 2) ** 2)
         / 3)
+    # classes_soft: the two gold-class probabilities alone (STS r left out)
+    assert m["val/classes_soft"] == pytest.approx((1.7 / 3 + 0.6) / 2)
+    assert m["val/classes_soft_se"] == pytest.approx(np.sqrt(
+        sst["sst_p_gold_se"] ** 2 + qqp["qqp_p_gold_se"] ** 2) / 2)
     # without probabilities (ensembles score hard labels) there is no soft score
     hard = split_metrics("val", {"sst": task_metrics("sst", sst_p.argmax(1), np.array([0, 3, 4])),
                                  "qqp": task_metrics("qqp", np.array([1, 0]), np.array([1, 1])),
                                  "sts": sts})
     assert "val/overall" in hard and "val/overall_soft" not in hard
+    assert "val/classes_soft" not in hard
 
 
 def test_precision_recall_f1_and_confusion():

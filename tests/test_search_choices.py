@@ -93,6 +93,26 @@ def test_bohb_search_runs_on_the_budgets_rungs(run_search):
         assert t["examples_seen"] >= (192 if t["status"] == "completed" else 48)
 
 
+def test_asha_promote_search_promotes_the_top_third(run_search):
+    """``--scheduler asha-promote``: 4 trials pause at the smoke budget's decision rung (48
+    examples; 144 is past the budget's middle); floor(4 / 3) = 1 is promoted and trains the
+    whole budget, the rest are stopped at the rung once no trial can come or be promoted.
+    The one promoted was in the top third of at least 3 trials at the rung when chosen."""
+    search = run_search("promote", "--scheduler", "asha-promote", trials=4)
+    _assert_recorded(search, "asha-promote", "optuna", 4)
+    trials = search["summary"]["trials"]
+    completed = [t for t in trials if t["status"] == "completed"]
+    assert len(completed) == 1 and completed[0]["examples_seen"] >= 192
+    stopped = [t for t in trials if t["status"] == "stopped_early"]
+    assert len(stopped) == 3 and all(48 <= t["examples_seen"] < 96 for t in stopped)
+    at_rung = {}
+    for trial_id, df in search["ray"].trial_dataframes.items():
+        first = df[df["examples_seen"] >= 48].iloc[0]
+        at_rung[trial_id] = first["val/overall_soft"]
+    winner = at_rung[completed[0]["trial_id"]]
+    assert sum(score < winner for score in at_rung.values()) >= 2
+
+
 def test_asha_on_overall_soft_search(run_search):
     """``--rung-metric overall_soft``: a smoke search runs end to end; every result Ray
     and MLflow hold has the soft score beside the objective, and the summary and the
@@ -313,10 +333,144 @@ def test_asha_decides_on_the_rung_metric(rung_metric, stopped):
                          TrialScheduler.STOP if stopped else TrialScheduler.CONTINUE]
 
 
+class _Controller:
+    """What PromotingASHA asks of Ray's TuneController: its trials (Ray's own Trial
+    objects), the searcher (the driver's RunningTrialsLimiter) and stop_trial."""
+
+    def __init__(self, searcher, finished):
+        from types import SimpleNamespace
+        self.trials = []
+        self.search_alg = SimpleNamespace(searcher=searcher, is_finished=lambda: finished[0])
+
+    def get_trials(self):
+        return self.trials
+
+    def stop_trial(self, trial):
+        trial.set_status(trial.TERMINATED)
+
+
+def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
+    """Rungs 222 and 666 decide (1,998 is past the budget's middle).  A trial reaching a
+    rung continues if it is the best promotable of the top floor(n / 3); else it pauses
+    and the freed place goes to the best promotable (highest rung first), or to a new
+    trial; a rung promotes at most synchronous halving's 9 / 3 and 3 / 3; at the end the
+    trials still paused are stopped."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    from mtbert.tune.budgets import Budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
+    soft = RUNG_METRICS["overall_soft"]
+    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
+                    grace_period=222, reduction_factor=3, warmup_examples=96,
+                    max_train_per_task=0, max_eval_per_task=0, num_samples=9,
+                    ensemble_top_k=1)
+    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=9)
+    assert asha.rungs == [222, 666] and asha.quota == [3, 1]
+    assert asha.set_search_properties(OBJECTIVE, "max") and asha.metric == soft
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "t.yaml")
+    limiter = build_searcher("optuna", 0, 2, 9, "asha-promote", 222, soft)
+    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
+    finished = [False]
+    controller = _Controller(limiter, finished)
+
+    def start(name):
+        assert limiter.suggest(name) is not None, f"no place for {name}"
+        trial = Trial("t", config={}, trial_id=name, stub=True)
+        trial.set_status(Trial.RUNNING)
+        controller.trials.append(trial)
+        return trial
+
+    def arrive(trial, examples, score):
+        decision = asha.on_trial_result(controller, trial, {"examples_seen": examples,
+                                                            soft: score, OBJECTIVE: 0.4})
+        limiter.on_trial_result(trial.trial_id, {"examples_seen": examples, soft: score})
+        if decision == TrialScheduler.PAUSE:
+            trial.set_status(Trial.PAUSED)
+        return decision
+
+    def resume():  # Ray runs what the scheduler chooses
+        trial = asha.choose_trial_to_run(controller)
+        if trial is not None:
+            trial.set_status(Trial.RUNNING)
+        return trial
+
+    P, C = TrialScheduler.PAUSE, TrialScheduler.CONTINUE
+    t = {n: start(n) for n in ("a", "b")}
+    assert arrive(t["a"], 224, 0.50) == P and arrive(t["b"], 224, 0.60) == P
+    t.update({n: start(n) for n in ("c", "d")})  # the paused freed their places
+    assert arrive(t["c"], 224, 0.40) == P      # n = 3: b (paused) is promoted in c's place
+    assert resume() is t["b"] and limiter.suggest("x") is None
+    assert arrive(t["d"], 224, 0.70) == C      # n = 4: d is the top one, not yet promoted
+    assert arrive(t["b"], 668, 0.62) == P      # rung 666, n = 1
+    t["e"] = start("e")
+    assert arrive(t["e"], 224, 0.10) == P      # n = 5, top 1 = d, promoted
+    t["f"] = start("f")
+    assert arrive(t["d"], 668, 0.75) == P and resume() is None  # rung 666: n = 2
+    t["g"] = start("g")
+    assert arrive(t["f"], 224, 0.65) == C      # n = 6, top 2 = d, f: f goes on
+    assert arrive(t["g"], 224, 0.30) == P      # n = 7: nothing new
+    t["h"] = start("h")
+    assert arrive(t["h"], 224, 0.90) == P      # top of 8, but the rung's quota (9 / 3) is used
+    finished[0] = True                          # the searcher has given its trials
+    assert arrive(t["f"], 668, 0.55) == P      # rung 666, n = 3: d (0.75) promoted
+    assert resume() is t["d"]
+    assert asha.choose_trial_to_run(controller) is None  # d runs; b, f, ... stay paused
+    assert all(t[n].status == Trial.PAUSED for n in "abcefgh")
+    t["d"].set_status(Trial.TERMINATED)         # d trained to the end
+    assert asha.choose_trial_to_run(controller) is None
+    assert all(t[n].status == Trial.TERMINATED for n in "abcdefgh")
+    assert asha.promoted == [{"b", "d", "f"}, {"d"}]
+    # Optuna was told each trial's first-rung soft score, once
+    told = {tr.params["dropout"]: tr.value for tr in limiter.searcher._ot_study.trials}
+    assert sorted(told.values()) == [0.10, 0.30, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]
+
+
+def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_rung():
+    """2 trials, rf 3: floor(2 / 3) = 0 promotions at the rung; once the searcher has
+    given both and both are paused, the better one is promoted (some trial trains the
+    whole budget), then the other is stopped."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
+    soft = RUNG_METRICS["classes_soft"]
+    budget = get_budget("smoke").resolved(1000)
+    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=2)
+    assert asha.rungs == [48] and asha.quota == [0]
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "t.yaml")
+    limiter = build_searcher("optuna", 0, 2, 2, "asha-promote", 48, soft)
+    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
+    controller = _Controller(limiter, [True])
+    for name, score in (("a", 0.41), ("b", 0.45)):
+        assert limiter.suggest(name) is not None
+        trial = Trial("t", config={}, trial_id=name, stub=True)
+        trial.set_status(Trial.RUNNING)
+        controller.trials.append(trial)
+        assert asha.on_trial_result(controller, trial, {"examples_seen": 48, soft: score}) \
+            == TrialScheduler.PAUSE
+        trial.set_status(Trial.PAUSED)
+    a, b = controller.trials
+    assert asha.choose_trial_to_run(controller) is b and asha.promoted == [{"b"}]
+    b.set_status(Trial.RUNNING)
+    assert asha.choose_trial_to_run(controller) is None and a.status == Trial.PAUSED
+    b.set_status(Trial.TERMINATED)
+    assert asha.choose_trial_to_run(controller) is None and a.status == Trial.TERMINATED
+
+
 def test_actors_are_reused_only_where_no_trial_pauses_and_no_node_can_die():
     from mtbert.tune.search import reuses_actors
     assert reuses_actors("asha", None) and reuses_actors("fifo", None)
     for pausing in ("bohb", "pbt", "pb2"):
         assert not reuses_actors(pausing, None)
+    # promoting ASHA pauses a trial where a place goes to another, never in turns
+    assert reuses_actors("asha-promote", None) and not reuses_actors("asha-promote", "auto")
     # a cluster: a lost node's cached actor would take the retries (test_fault_tolerance)
     assert not reuses_actors("asha", "auto") and not reuses_actors("asha", "127.0.0.1:6379")

@@ -1,6 +1,7 @@
 """The driver's Optuna searcher (build_searcher -> ConcurrencyLimiter(DistinctOptunaSearch))
 never trains a configuration that a finished trial already scored, while new ones are
-left; in a continuous space it behaves as Ray's OptunaSearch."""
+left; in a continuous space it behaves as Ray's OptunaSearch.  Under asha-promote its
+limit counts running trials only and Optuna is told each trial's first-rung score."""
 
 from __future__ import annotations
 
@@ -53,3 +54,38 @@ def test_a_continuous_space_asks_once_per_trial():
         config = limiter.suggest(f"t{i}")
         limiter.on_trial_complete(f"t{i}", {"val/overall": _score(config)})
     assert searcher.repeats_told == 0 and len(searcher._ot_study.trials) == 8
+
+
+def test_running_trials_limiter_frees_paused_places_and_tells_the_first_rung():
+    """Under asha-promote: a paused trial frees its place (a ConcurrencyLimiter would stop
+    proposing with 2 trials paused), a promoted one takes one; each trial is told to
+    Optuna once, at its first result at or past the first rung, on the rung metric."""
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "test.yaml")
+    limiter = build_searcher("optuna", seed=0, max_concurrent=2, num_samples=9,
+                             scheduler="asha-promote", first_rung=48,
+                             rung_metric="val/overall_soft")
+    assert limiter.set_search_properties("val/overall", "max", space.param_space())
+    study = limiter.searcher._ot_study
+    assert limiter.suggest("a") and limiter.suggest("b")
+    assert limiter.suggest("c") is None  # two running
+    limiter.on_trial_result("a", {"examples_seen": 16, "val/overall": 0.3,
+                                  "val/overall_soft": 0.2})
+    assert study.trials[0].value is None  # before the first rung: not told
+    for trial_id, soft in (("a", 0.41), ("b", 0.47)):
+        limiter.on_trial_result(trial_id, {"examples_seen": 50, "val/overall": 0.43,
+                                           "val/overall_soft": soft})
+    assert [t.value for t in study.trials] == [0.41, 0.47]
+    limiter.on_pause("a")
+    limiter.on_pause("b")
+    assert limiter.suggest("c") and limiter.suggest("d")  # the paused freed their places
+    limiter.on_pause("c")
+    limiter.on_unpause("b")  # c's arrival promoted b: the place goes to b
+    assert limiter.suggest("e") is None
+    # b's later result and its end are not told again; a stopped paused trial frees nothing
+    limiter.on_trial_result("b", {"examples_seen": 144, "val/overall": 0.6,
+                                  "val/overall_soft": 0.55})
+    limiter.on_trial_complete("b", {"examples_seen": 192, "val/overall": 0.62})
+    limiter.on_trial_complete("a")
+    assert [t.value for t in study.trials[:2]] == [0.41, 0.47]
+    assert limiter.suggest("e")  # b's end freed its place: d and e run

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each interval): overall, the objective (val/overall); overall_soft "
                         "(val/overall_soft), each accuracy replaced by the mean probability "
                         "of the gold class -- smooth where early accuracies all sit on the "
-                        "majority class. The searcher and the selection always use "
+                        "majority class; classes_soft (val/classes_soft), the mean of the SST "
+                        "and QQP gold-class probabilities, leaving out the STS r that is "
+                        "noise in the first steps. The searcher and the selection always use "
                         f"val/overall. Default {DEFAULT_RUNG_METRIC}")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",

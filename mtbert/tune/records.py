@@ -23,7 +23,8 @@ MODE = "max"
 #: what a scheduler may compare trials on at its rungs (``--rung-metric``): the objective,
 #: or its smooth stand-in (metrics.py: each accuracy replaced by the mean probability of the
 #: gold class), which separates trials before their hard accuracies leave the majority class
-RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft"}
+RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft",
+                "classes_soft": "val/classes_soft"}
 DEFAULT_RUNG_METRIC = "overall_soft"
 #: each trial's running best of the objective, reported beside it (sorting trials by it in
 #: Ray's table or MLflow agrees with the search's ranking; the parent run has it too)

@@ -18,8 +18,8 @@ bracket starts at the grace period and every milestone is one of the budget's ru
 
 from __future__ import annotations
 
-from ray.tune.schedulers import (ASHAScheduler, HyperBandForBOHB, PopulationBasedTraining,
-                                 TrialScheduler)
+from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandForBOHB,
+                                 PopulationBasedTraining, TrialScheduler)
 from ray.tune.schedulers.pb2 import PB2
 
 from mtbert.tune.budgets import Budget
@@ -93,3 +93,155 @@ class PBTToTheEnd(_OwnMetric, _EndsAtTheBudget, PopulationBasedTraining):
 
 class PB2ToTheEnd(_OwnMetric, _EndsAtTheBudget, PB2):
     """``--scheduler pb2``."""
+
+
+class PromotingASHA(_OwnMetric, FIFOScheduler):
+    """``--scheduler asha-promote``: ASHA as Li et al. (2020) state it (Algorithm 2), with
+    trials that pause at a rung and are promoted later, where Ray's ASHA decides on arrival.
+
+    * A trial pauses at each *decision rung* (a budget rung with at least as much training
+      after it as before: promoting from a rung past the budget's middle would train less
+      than it judged) and records its score on the rung metric there.
+    * Each time a worker frees (a trial reaches a rung or ends) it goes to the best
+      *promotable* trial of the highest rung that has one -- one in the top
+      floor(n_k / rf) of the n_k trials that reached rung k so far, not yet promoted from
+      it -- else to a new trial from the searcher.  The trial reaching the rung continues
+      without a pause when it is that trial itself.
+    * A rung promotes at most what synchronous successive halving would from it:
+      floor(N_k / rf) with N_0 = ``num_samples`` and N_(k+1) that quota (9 trials, rf 3:
+      3 from the first rung, 1 from the second).  Without the cap an early promotion (the
+      best of the first 3 trials) is followed by later ones as the rung fills, and the
+      trials promoted last, after the trial that trains the whole budget was chosen, only
+      lengthen the search (bench: 4-5 promotions of 9 from the first rung, where 3 fit).
+    * So each rung is decided among more trials than Ray's ASHA, which lets the first
+      trials at a rung go on (in the bench's seed 0, 4 of 9 trials trained the whole
+      budget there; here 1).
+    * Once the searcher has given its ``num_samples`` trials and nothing runs or can be
+      promoted, the best trial of the highest rung that promoted none (fewer than rf
+      trials reached it: a search of 2 trials) is promoted, so that some trial trains
+      the whole budget; then the trials still paused are stopped (Ray waits on paused
+      trials forever).
+
+    Its searcher is a :class:`~mtbert.tune.searchers.RunningTrialsLimiter`: a paused trial
+    frees its place (``on_pause``); a promoted one takes the place of the trial whose
+    arrival promoted it (``on_pause`` + ``on_unpause`` in one result, before Ray asks the
+    searcher for a new trial), so the search never starts a new trial where one should be
+    promoted."""
+
+    _supports_buffered_results = False  # decisions at every rung, as results arrive
+
+    def __init__(self, budget: Budget, metric: str, workers: int, num_samples: int):
+        super().__init__()
+        self._metric, self._mode = metric, MODE
+        self.rf = budget.reduction_factor
+        self.workers = workers
+        self.rungs = [m for m in budget.rungs() if 2 * m <= budget.max_examples]
+        # promotions from rung k, at most: synchronous halving's n_k / rf, n_0 = num_samples
+        self.quota, reaching = [], num_samples
+        for _ in self.rungs:
+            reaching = int(reaching // self.rf)
+            self.quota.append(reaching)
+        self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
+        self.promoted: list[set[str]] = [set() for _ in self.rungs]
+        self.stopped_paused: list[str] = []  # ids stopped at the end, in order
+
+    # ------------------------------------------------------------------ decisions
+    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+        k = self._rung_reached(trial.trial_id, result.get("examples_seen", 0))
+        if k is None:
+            return TrialScheduler.CONTINUE
+        score = result.get(self._metric)
+        self.scores[k][trial.trial_id] = (score if isinstance(score, (int, float))
+                                          and score == score else float("-inf"))
+        chosen = self._best_promotable(tune_controller, arriving=trial)
+        if chosen is not None and chosen[0] is trial:
+            self.promoted[k].add(trial.trial_id)
+            return TrialScheduler.CONTINUE
+        searcher = tune_controller.search_alg.searcher
+        searcher.on_pause(trial.trial_id)
+        if chosen is not None:  # the freed place goes to it, not to a new trial
+            promoted, rung = chosen
+            self.promoted[rung].add(promoted.trial_id)
+            searcher.on_unpause(promoted.trial_id)
+        return TrialScheduler.PAUSE
+
+    def choose_trial_to_run(self, tune_controller):
+        trials = tune_controller.get_trials()
+        promoted = [t for t in trials if t.status == t.PAUSED and self._was_promoted(t)]
+        if promoted:
+            return promoted[0]
+        pending = [t for t in trials if t.status == t.PENDING]
+        if pending:
+            return pending[0]
+        busy = sum(t.status == t.RUNNING for t in trials)
+        if busy < self.workers:  # a place no new trial took: the searcher has given all
+            chosen = self._best_promotable(tune_controller)
+            if chosen is not None:
+                self.promoted[chosen[1]].add(chosen[0].trial_id)
+                tune_controller.search_alg.searcher.on_unpause(chosen[0].trial_id)
+                return chosen[0]
+        if busy == 0 and tune_controller.search_alg.is_finished():
+            last = self._first_of_an_unpromoted_rung(tune_controller)
+            if last is not None:
+                return last
+            for t in trials:
+                if t.status == t.PAUSED:
+                    self.stopped_paused.append(t.trial_id)
+                    tune_controller.stop_trial(t)
+        return None
+
+    def debug_string(self) -> str:
+        counts = ", ".join(f"{m}: {len(s)} reached / {len(p)} promoted"
+                           for m, s, p in zip(self.rungs, self.scores, self.promoted))
+        return f"Promoting ASHA (rf {self.rf:g}) at rungs {counts or 'none'}."
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _rung_reached(self, trial_id: str, examples_seen: int) -> int | None:
+        """The highest decision rung this result reached that the trial has no score at."""
+        reached = [k for k, m in enumerate(self.rungs)
+                   if examples_seen >= m and trial_id not in self.scores[k]]
+        return reached[-1] if reached else None
+
+    def _best_promotable(self, tune_controller, arriving=None):
+        """(trial, rung) to promote: the highest rung first, the best score first; a trial
+        qualifies while paused at that rung (or ``arriving`` at it)."""
+        by_id = {t.trial_id: t for t in tune_controller.get_trials()}
+        for k in reversed(range(len(self.rungs))):
+            if len(self.promoted[k]) >= self.quota[k]:
+                continue
+            ranked = sorted(self.scores[k], key=self.scores[k].get, reverse=True)
+            for trial_id in ranked[:int(len(ranked) // self.rf)]:
+                trial = by_id.get(trial_id)
+                if trial_id in self.promoted[k] or trial is None:
+                    continue
+                if trial is arriving or (trial.status == trial.PAUSED
+                                         and self._top_rung(trial_id) == k):
+                    return trial, k
+        return None
+
+    def _first_of_an_unpromoted_rung(self, tune_controller):
+        """At the end, the best trial paused at the highest rung that promoted none (fewer
+        than rf trials reached it), promoted: some trial trains the whole budget."""
+        by_id = {t.trial_id: t for t in tune_controller.get_trials()}
+        for k in reversed(range(len(self.rungs))):
+            if not self.scores[k]:
+                continue
+            if self.promoted[k]:
+                return None  # a trial went on from the highest rung reached
+            for trial_id in sorted(self.scores[k], key=self.scores[k].get, reverse=True):
+                trial = by_id.get(trial_id)
+                if trial is not None and trial.status == trial.PAUSED \
+                        and self._top_rung(trial_id) == k:
+                    self.promoted[k].add(trial_id)
+                    tune_controller.search_alg.searcher.on_unpause(trial_id)
+                    return trial
+            return None  # its trials ended otherwise (errors): nothing to promote
+        return None
+
+    def _top_rung(self, trial_id: str) -> int:
+        return max((k for k, s in enumerate(self.scores) if trial_id in s), default=-1)
+
+    def _was_promoted(self, trial) -> bool:
+        """Promoted from the rung it paused at, not yet resumed (when paused)."""
+        k = self._top_rung(trial.trial_id)
+        return k >= 0 and trial.trial_id in self.promoted[k]

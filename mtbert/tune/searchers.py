@@ -1,6 +1,7 @@
-"""Ray's OptunaSearch that does not train a configuration it has already scored.
+"""The driver's Optuna searcher, and the limit it runs behind under a pausing ASHA.
 
-In a space of steps and choices (``quniform``, ``randint``, ``choice``) TPE proposes
+:class:`DistinctOptunaSearch` is Ray's OptunaSearch that does not train a configuration
+it has already scored.  In a space of steps and choices (``quniform``, ``randint``, ``choice``) TPE proposes
 configurations it has already tried: the bench's stepped search trained dropout 0.1,
 lambda_s 1 twice in one seed, 2,000 examples for a score it had (the trainings are
 seeded, so the repeat scored the same to the last digit).  Here a proposal equal to a
@@ -8,11 +9,15 @@ finished trial's is told that trial's value at once -- the answer Optuna's FAQ g
 repeated parameters -- and the sampler is asked again.  After ``MAX_ASKS`` repeats in a
 row the repeat trains (TPE can insist on its favourite while other configurations are
 left).  In a continuous space proposals never repeat exactly, and nothing changes.
+
+:class:`RunningTrialsLimiter` replaces Ray's ConcurrencyLimiter under ``--scheduler
+asha-promote`` (see its docstring).
 """
 
 from __future__ import annotations
 
 from optuna.trial import FrozenTrial, TrialState
+from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.optuna import OptunaSearch
 
 #: proposals asked for one trial before a repeat is trained after all
@@ -44,3 +49,45 @@ class DistinctOptunaSearch(OptunaSearch):
             if trial.params == params:
                 return trial
         return None
+
+
+class RunningTrialsLimiter(ConcurrencyLimiter):
+    """The searcher of ``--scheduler asha-promote``: a limit on the trials *running*, and
+    the searcher told each trial's score at the first rung.
+
+    * A ConcurrencyLimiter counts a paused trial as live until it ends; with trials paused
+      at rungs it would stop proposing while workers stand idle.  Here the scheduler's
+      ``on_pause`` frees a trial's place and ``on_unpause`` takes one.
+    * Optuna learns only from finished trials, and under a pausing scheduler most trials
+      finish at the end of the search.  So each trial is told to the searcher once, at its
+      first result at or past ``first_rung`` (every trial reaches it), with the rung
+      metric's value as the objective: every value the searcher sees is at the same
+      budget and on the metric the rungs decide on (as BOHB models each budget apart).
+      Its later results and its end are not told again."""
+
+    def __init__(self, searcher, max_concurrent: int, first_rung: int, told_metric: str):
+        super().__init__(searcher, max_concurrent=max_concurrent)
+        self.first_rung, self.told_metric = first_rung, told_metric
+        self.told: set[str] = set()
+
+    def on_pause(self, trial_id: str) -> None:
+        self.live_trials.discard(trial_id)
+
+    def on_unpause(self, trial_id: str) -> None:
+        self.live_trials.add(trial_id)
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id not in self.told and result.get("examples_seen", 0) >= self.first_rung:
+            self._tell(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None,
+                          error: bool = False) -> None:
+        self.live_trials.discard(trial_id)
+        if trial_id not in self.told:  # ended (errored) before its first rung
+            self._tell(trial_id, result, error)
+
+    def _tell(self, trial_id: str, result: dict | None, error: bool = False) -> None:
+        self.told.add(trial_id)
+        if result and self.told_metric in result:
+            result = {**result, self.searcher.metric: result[self.told_metric]}
+        self.searcher.on_trial_complete(trial_id, result=result, error=error)
