@@ -1,5 +1,6 @@
 """Ray's ASHA, Hyperband-for-BOHB and population-based training, fitted to budgets in
-examples, each deciding on its own metric (``--rung-metric``).
+examples, and a promoting ASHA (:class:`PromotingASHA`) built on Ray's scheduler
+interface, each deciding on its own metric (``--rung-metric``).
 
 Every scheduler here compares trials on the metric it is built with, while the Tuner's
 metric -- the search's objective, which the searcher, the checkpoints and Ray's progress
@@ -122,6 +123,10 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
       the whole budget; then the trials still paused are stopped (Ray waits on paused
       trials forever).
 
+    On ``--resume`` its records start afresh (Ray saves no scheduler's state; Tune sets
+    every unfinished trial, paused ones too, to pending): the trials paused at a rung
+    train on from their checkpoints to the next rung, where they are judged again.
+
     Its searcher is a :class:`~mtbert.tune.searchers.RunningTrialsLimiter`: a paused trial
     frees its place (``on_pause``); a promoted one takes the place of the trial whose
     arrival promoted it (``on_pause`` + ``on_unpause`` in one result, before Ray asks the
@@ -143,7 +148,6 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             self.quota.append(reaching)
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
-        self.stopped_paused: list[str] = []  # ids stopped at the end, in order
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
@@ -186,7 +190,6 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 return last
             for t in trials:
                 if t.status == t.PAUSED:
-                    self.stopped_paused.append(t.trial_id)
                     tune_controller.stop_trial(t)
         return None
 
