@@ -19,7 +19,9 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
   ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
   ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``);
   ``asha_tpe_indep_soft`` decides at the rungs on val/overall_soft (the driver's
-  ``--rung-metric overall_soft``) rather than val/overall.
+  ``--rung-metric overall_soft``) rather than val/overall, ``*_cls`` on val/classes_soft;
+  ``asha_promote_*`` is the driver's ``--scheduler asha-promote`` (trials pause at the
+  rungs and are promoted).
 
 Each (method, seed) run is kept in ``OUT/runs.json``; later calls add to it (the
 settings must match), so methods and seeds can be measured in several sittings. From
@@ -83,6 +85,9 @@ METHODS = {
                                   rung_metric="overall_soft"),
     # the first rung at full/3 (666 examples), where the grid's runs show the dropout
     # signal (0.51-0.52 at dropout <= 0.2 against 0.44-0.47 at >= 0.3); full/9 has none
+    # Ray's ASHA on the classifiers' gold-class probabilities (STS r is noise at 224)
+    "asha_tpe_indep_cls": Method("ASHA on classes_soft + independent TPE", "asha", "optuna",
+                                 rung_metric="classes_soft"),
     # ASHA as Li et al. state it: trials pause at the rungs and are promoted when a worker
     # frees; TPE told every trial's first-rung score
     "asha_promote_soft": Method("promoting ASHA on overall_soft + independent TPE, no quota",

@@ -204,6 +204,12 @@ def _assert_one_error(capsys, rc, tmp_path, *expected):
      ["--scheduler pbt needs --search-alg random", "got --search-alg optuna"]),
     (["--scheduler", "pb2", "--search-alg", "optuna-mv"],
      ["--scheduler pb2 needs --search-alg random", "got --search-alg optuna-mv"]),
+    (["--scheduler", "asha-promote", "--search-alg", "random"],
+     ["--scheduler asha-promote needs --search-alg optuna or optuna-mv",
+      "got --search-alg random", "free a paused trial's place"]),
+    (["--scheduler", "asha-promote", "--search-alg", "bohb"],
+     ["--scheduler asha-promote needs --search-alg optuna or optuna-mv",
+      "got --search-alg bohb"]),
 ])
 def test_a_mismatched_pair_is_one_error(tmp_path, capsys, tiny_model_dir, tiny_data_dir,
                                         flags, expected):
