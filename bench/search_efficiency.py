@@ -93,6 +93,9 @@ METHODS = {
     "asha_promote_soft": Method("promoting ASHA on overall_soft + independent TPE, no quota",
                                 "asha-promote", "optuna", rung_metric="overall_soft",
                                 superseded="before the rung quotas"),
+    # the same with the rung quotas, on the default rung metric
+    "asha_promote_soft_quota": Method("promoting ASHA on overall_soft + independent TPE",
+                                      "asha-promote", "optuna", rung_metric="overall_soft"),
     # the same on the classifiers' gold-class probabilities only (STS r is noise at 224)
     "asha_promote_cls": Method("promoting ASHA on classes_soft + independent TPE, no quota",
                                "asha-promote", "optuna", rung_metric="classes_soft",
