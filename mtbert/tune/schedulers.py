@@ -159,14 +159,11 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                                           and score == score else float("-inf"))
         chosen = self._best_promotable(tune_controller, arriving=trial)
         if chosen is not None and chosen[0] is trial:
-            self.promoted[k].add(trial.trial_id)
+            self.promoted[k].add(trial.trial_id)  # it keeps its place
             return TrialScheduler.CONTINUE
-        searcher = tune_controller.search_alg.searcher
-        searcher.on_pause(trial.trial_id)
+        tune_controller.search_alg.searcher.on_pause(trial.trial_id)
         if chosen is not None:  # the freed place goes to it, not to a new trial
-            promoted, rung = chosen
-            self.promoted[rung].add(promoted.trial_id)
-            searcher.on_unpause(promoted.trial_id)
+            self._promote(tune_controller, *chosen)
         return TrialScheduler.PAUSE
 
     def choose_trial_to_run(self, tune_controller):
@@ -181,9 +178,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         if busy < self.workers:  # a place no new trial took: the searcher has given all
             chosen = self._best_promotable(tune_controller)
             if chosen is not None:
-                self.promoted[chosen[1]].add(chosen[0].trial_id)
-                tune_controller.search_alg.searcher.on_unpause(chosen[0].trial_id)
-                return chosen[0]
+                return self._promote(tune_controller, *chosen)
         if busy == 0 and tune_controller.search_alg.is_finished():
             last = self._first_of_an_unpromoted_rung(tune_controller)
             if last is not None:
@@ -217,8 +212,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 trial = by_id.get(trial_id)
                 if trial_id in self.promoted[k] or trial is None:
                     continue
-                if trial is arriving or (trial.status == trial.PAUSED
-                                         and self._top_rung(trial_id) == k):
+                if trial is arriving or self._paused_at(trial, k):
                     return trial, k
         return None
 
@@ -233,13 +227,20 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 return None  # a trial went on from the highest rung reached
             for trial_id in sorted(self.scores[k], key=self.scores[k].get, reverse=True):
                 trial = by_id.get(trial_id)
-                if trial is not None and trial.status == trial.PAUSED \
-                        and self._top_rung(trial_id) == k:
-                    self.promoted[k].add(trial_id)
-                    tune_controller.search_alg.searcher.on_unpause(trial_id)
-                    return trial
+                if trial is not None and self._paused_at(trial, k):
+                    return self._promote(tune_controller, trial, k)
             return None  # its trials ended otherwise (errors): nothing to promote
         return None
+
+    def _promote(self, tune_controller, trial, k: int):
+        """Promote a paused ``trial`` from rung ``k``: it takes a running place."""
+        self.promoted[k].add(trial.trial_id)
+        tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
+        return trial
+
+    def _paused_at(self, trial, k: int) -> bool:
+        """Paused at rung ``k`` (its highest)."""
+        return trial.status == trial.PAUSED and self._top_rung(trial.trial_id) == k
 
     def _top_rung(self, trial_id: str) -> int:
         return max((k for k, s in enumerate(self.scores) if trial_id in s), default=-1)
