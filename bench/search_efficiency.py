@@ -71,7 +71,14 @@ class Method:
     # measured with driver code that has changed since (named here): its runs are kept as
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
+    # asha-promote: its last promotion resumes with every worker's CPU, as the driver's on
+    # one machine (mtbert.tune.search.last_leg_cpus)
+    last_leg: bool = False
 
+
+#: what asha-promote changed after the runs labelled with it
+ENDS = ("before sampling ended at the first rung's share and the last promotion took "
+        "every worker's CPU")
 
 METHODS = {
     "grid": Method("(a) grid, full budget", "fifo", "grid"),
@@ -94,15 +101,22 @@ METHODS = {
                                 "asha-promote", "optuna", rung_metric="overall_soft",
                                 superseded="before the rung quotas"),
     # the same with the rung quotas, on the default rung metric
-    "asha_promote_soft_quota": Method("promoting ASHA on overall_soft + independent TPE",
-                                      "asha-promote", "optuna", rung_metric="overall_soft"),
+    "asha_promote_soft_quota": Method("promoting ASHA on overall_soft + independent TPE, "
+                                      "sampling all", "asha-promote", "optuna",
+                                      rung_metric="overall_soft", superseded=ENDS),
     # the same on the classifiers' gold-class probabilities only (STS r is noise at 224)
     "asha_promote_cls": Method("promoting ASHA on classes_soft + independent TPE, no quota",
                                "asha-promote", "optuna", rung_metric="classes_soft",
                                superseded="before the rung quotas"),
     # the same with each rung's promotions capped at synchronous halving's (9 -> 3 -> 1)
-    "asha_promote_cls_quota": Method("promoting ASHA on classes_soft + independent TPE",
-                                     "asha-promote", "optuna", rung_metric="classes_soft"),
+    "asha_promote_cls_quota": Method("promoting ASHA on classes_soft + independent TPE, "
+                                     "sampling all", "asha-promote", "optuna",
+                                     rung_metric="classes_soft", superseded=ENDS),
+    # the same as the driver runs it since: no trial sampled once the first rung has
+    # promoted its share, and the last promotion trains on with both workers' CPUs
+    "asha_promote_cls_last": Method("promoting ASHA on classes_soft + independent TPE",
+                                    "asha-promote", "optuna", rung_metric="classes_soft",
+                                    last_leg=True),
     "asha_tpe_late": Method("ASHA (rungs full/3, full) + mv TPE", "asha", "optuna-mv",
                             first_rung=3),
     # the default pair on the same ranges in steps (SPACES["steps"])
@@ -190,7 +204,8 @@ def search_setup(name: str, args, seed: int):
     return space.param_space(), dict(
         num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
                                                  RUNG_METRICS[method.rung_metric],
-                                                 args.workers, n),
+                                                 args.workers, n,
+                                                 args.workers if method.last_leg else 0),
         search_alg=searcher), budget
 
 

@@ -117,6 +117,14 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     * So each rung is decided among more trials than Ray's ASHA, which lets the first
       trials at a rung go on (in the bench's seed 0, 4 of 9 trials trained the whole
       budget there; here 1).
+    * Once the first rung has promoted its share, no trial started later could be
+      promoted: the searcher is told it is finished (``set_finished``) and samples no
+      more (the bench's seeds started 1-3 such trials, 224 examples each, for nothing).
+    * The last promotion (every rung's share used) decides the search; the trials still
+      running to a rung can change nothing and are stopped, and the promoted trial is
+      resumed with the CPUs they and it held (``last_leg_cpus``, the search's places x
+      CPUs per trial; torch threads follow the trial's CPUs), where it would otherwise
+      train the whole rest of the budget alone beside idle workers.
     * Once the searcher has given its ``num_samples`` trials and nothing runs or can be
       promoted, the best trial of the highest rung that promoted none (fewer than rf
       trials reached it: a search of 2 trials) is promoted, so that some trial trains
@@ -135,8 +143,10 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     _supports_buffered_results = False  # decisions at every rung, as results arrive
 
-    def __init__(self, budget: Budget, metric: str, workers: int, num_samples: int):
+    def __init__(self, budget: Budget, metric: str, workers: int, num_samples: int,
+                 last_leg_cpus: float = 0.0):
         super().__init__()
+        self.last_leg_cpus = last_leg_cpus  # 0: every trial keeps its CPUs
         self._metric, self._mode = metric, MODE
         self.rf = budget.reduction_factor
         self.workers = workers
@@ -148,6 +158,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             self.quota.append(reaching)
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
+        self._widen: dict[str, float] = {}  # trial id -> CPUs to resume it with
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
@@ -159,17 +170,27 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                                           and score == score else float("-inf"))
         chosen = self._best_promotable(tune_controller, arriving=trial)
         if chosen is not None and chosen[0] is trial:
-            self.promoted[k].add(trial.trial_id)  # it keeps its place
-            return TrialScheduler.CONTINUE
+            self._promote(tune_controller, *chosen, arriving=trial)
+            if trial.trial_id not in self._widen:
+                return TrialScheduler.CONTINUE  # it keeps its place
+            # it goes on with more CPUs: Ray changes a trial's resources only while it is
+            # not running, so it pauses and is resumed at once from this rung's checkpoint
+            tune_controller.search_alg.searcher.on_pause(trial.trial_id)
+            tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
+            return TrialScheduler.PAUSE
         tune_controller.search_alg.searcher.on_pause(trial.trial_id)
         if chosen is not None:  # the freed place goes to it, not to a new trial
-            self._promote(tune_controller, *chosen)
+            self._promote(tune_controller, *chosen, arriving=trial)
         return TrialScheduler.PAUSE
 
     def choose_trial_to_run(self, tune_controller):
         trials = tune_controller.get_trials()
         promoted = [t for t in trials if t.status == t.PAUSED and self._was_promoted(t)]
         if promoted:
+            cpus = self._widen.pop(promoted[0].trial_id, None)
+            if cpus is not None:
+                promoted[0].update_resources(with_cpus(promoted[0].placement_group_factory,
+                                                       cpus))
             return promoted[0]
         pending = [t for t in trials if t.status == t.PENDING]
         if pending:
@@ -232,11 +253,35 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             return None  # its trials ended otherwise (errors): nothing to promote
         return None
 
-    def _promote(self, tune_controller, trial, k: int):
-        """Promote a paused ``trial`` from rung ``k``: it takes a running place."""
+    def _promote(self, tune_controller, trial, k: int, arriving=None):
+        """Promote ``trial`` from rung ``k`` (paused there, or arriving: it keeps its
+        place): it takes a running place.  With the first rung's share used, the searcher
+        is finished; with every rung's, the other trials still running are stopped and
+        this one is to resume with the CPUs they held."""
         self.promoted[k].add(trial.trial_id)
-        tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
+        if trial.status != trial.RUNNING:
+            tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
+        if self.promoted[0] and len(self.promoted[0]) >= self.quota[0]:
+            tune_controller.search_alg.set_finished()
+        if all(len(p) >= q for p, q in zip(self.promoted, self.quota)):
+            self._end_the_rest(tune_controller, trial, arriving)
         return trial
+
+    def _end_the_rest(self, tune_controller, last, arriving) -> None:
+        """The last promotion: stop the trials running to a rung (no rung can promote
+        them; ``arriving``, whose result is being decided, pauses instead) and give
+        their CPUs, with its own, to ``last`` (see ``last_leg_cpus``)."""
+        kept = 0.0
+        for t in tune_controller.get_trials():
+            if t is last or t.status not in (t.RUNNING, t.PENDING, t.PAUSED):
+                continue
+            if t.trial_id in self.promoted[-1]:
+                kept += trial_cpus(t)  # training, or about to train, the rest of the budget
+            elif t is not arriving and t.status != t.PAUSED:
+                tune_controller.stop_trial(t)
+        cpus = self.last_leg_cpus - kept
+        if cpus > trial_cpus(last) > 0 and not trial_gpus(last):
+            self._widen[last.trial_id] = cpus
 
     def _paused_at(self, trial, k: int) -> bool:
         """Paused at rung ``k`` (its highest)."""
@@ -249,3 +294,24 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         """Promoted from the rung it paused at, not yet resumed (when paused)."""
         k = self._top_rung(trial.trial_id)
         return k >= 0 and trial.trial_id in self.promoted[k]
+
+
+def trial_cpus(trial) -> float:
+    return _trial_resource(trial, "CPU")
+
+
+def trial_gpus(trial) -> float:
+    return _trial_resource(trial, "GPU")
+
+
+def _trial_resource(trial, name: str) -> float:
+    resources = trial.placement_group_factory
+    return float(resources.required_resources.get(name, 0.0)) if resources else 0.0
+
+
+def with_cpus(resources, cpus: float):
+    """``resources`` (a PlacementGroupFactory) with ``cpus`` CPUs in its first bundle."""
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+    first, *rest = resources.bundles
+    return PlacementGroupFactory([{**first, "CPU": cpus}, *rest],
+                                 strategy=resources.strategy)

@@ -179,10 +179,11 @@ def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
 
 
 def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OBJECTIVE,
-                    workers: int = 1, num_samples: int = 0):
+                    workers: int = 1, num_samples: int = 0, last_leg_cpus: float = 0.0):
     """The ``--scheduler``, comparing trials on ``rung_metric`` (a value of RUNG_METRICS);
     ``asha-promote`` promotes into a free one of ``workers`` places, at most synchronous
-    halving's share of ``num_samples`` per rung."""
+    halving's share of ``num_samples`` per rung, and resumes the trial of its last
+    promotion with ``last_leg_cpus`` CPUs (0: unchanged)."""
     from ray.tune import schedulers
     if name == "fifo":
         return schedulers.FIFOScheduler()
@@ -206,9 +207,19 @@ def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OB
                            custom_explore_fn=_ClipToSpace(bounds), **common)
     if name == "asha-promote":
         from mtbert.tune.schedulers import PromotingASHA
-        return PromotingASHA(budget, rung_metric, workers, num_samples or budget.num_samples)
+        return PromotingASHA(budget, rung_metric, workers, num_samples or budget.num_samples,
+                             last_leg_cpus)
     from mtbert.tune.schedulers import ASHAOnExamples
     return ASHAOnExamples(budget, rung_metric)
+
+
+def last_leg_cpus(settings, max_concurrent: int) -> float:
+    """The CPUs ``asha-promote`` gives the trial it promotes last: every place's, on one
+    machine with CPU trials; on a cluster (``--address``) a trial's CPUs stay on one node
+    and GPU trials gain nothing from threads: unchanged (0)."""
+    if settings.address or settings.gpus_per_trial:
+        return 0.0
+    return max_concurrent * settings.cpus_per_trial
 
 
 def reuses_actors(scheduler: str, address: str | None) -> bool:
@@ -245,7 +256,8 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 RUNG_METRICS[settings.rung_metric]),
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
                                       RUNG_METRICS[settings.rung_metric], max_concurrent,
-                                      settings.num_samples),
+                                      settings.num_samples, last_leg_cpus(settings,
+                                                                          max_concurrent)),
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(

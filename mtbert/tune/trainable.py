@@ -43,8 +43,8 @@ FAILED_MARKER = "mtbert_failed.txt"
 # (Unix time the trial function was entered in its Ray actor, after Ray started the actor
 # and fetched the data from the object store), time/startup_s (entry to a ready Trainer:
 # imports, model load, setup), time/cpu_s (CPU seconds of the actor process since entry,
-# all threads) and time/reported_at (Unix time of this report; Ray's timestamp is whole
-# seconds).
+# all threads), time/reported_at (Unix time of this report; Ray's timestamp is whole
+# seconds) and train/threads (torch's CPU threads: the CPUs Ray holds for the trial).
 
 #: first in the report: Ray's progress table shows the first four metrics
 HEADLINE = (OBJECTIVE, BEST_OBJECTIVE, "val/sst_acc", "val/qqp_acc", "val/sts_corr")
@@ -154,6 +154,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
          cpu_at_entry: float) -> None:
     import logging
 
+    import torch
     import transformers
 
     from mtbert.trainer import Trainer
@@ -161,6 +162,9 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
+    if base.get("threads"):  # torch threads = the CPUs Ray holds for this trial
+        cpus = tune.get_context().get_trial_resources().required_resources.get("CPU", 0)
+        base = {**base, "threads": max(1, int(cpus))} if cpus >= 1 else base
     try:
         cfg = trial_config(base, config)
     except ConfigError as exc:
@@ -179,6 +183,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
         timing = {"time/entered_at": entered_at, **startup, **perturbable,
+                  "train/threads": torch.get_num_threads(),
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
         # on the trainer's checkpoint thread, once the checkpoint is written; a stop raises
