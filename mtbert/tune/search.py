@@ -18,8 +18,10 @@ Schedulers (``--scheduler``), all on examples seen, comparing trials on ``--rung
 * ``asha``: Ray's ASHA (Li et al. 2020) stops the weak trials at the budget's rungs,
   deciding as each trial arrives;
 * ``asha-promote``: ASHA as the paper states it: trials pause at the rungs and a freed
-  worker promotes the best of the top 1/rf of a rung (or starts a new trial); with
-  Optuna, told each trial's first-rung score (schedulers.py, searchers.py);
+  worker promotes the best of the top 1/rf of a rung (or starts a new trial), at most
+  synchronous halving's share per rung; the last promotion trains on with every place's
+  CPUs (``last_leg_cpus``); with Optuna, told each trial's first-rung score
+  (schedulers.py, searchers.py);
 * ``fifo``: every trial trains its whole budget;
 * ``bohb``: ``HyperBandForBOHB`` (Hyperband brackets whose rungs are the budget's;
   trials pause at a rung and resume from their checkpoint);
