@@ -340,6 +340,50 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
           f"after iteration {resumed_from}")
 
 
+def test_ctrl_c_during_a_promoting_asha_search_then_resume_finishes_it(tmp_path,
+                                                                      tiny_model_dir,
+                                                                      tiny_data_dir):
+    """``--scheduler asha-promote`` on one machine (the driver's own Ray: actors reused,
+    the last promotion resumed with both CPUs): SIGINT once trials have paused at the
+    rung; --resume restores paused and running trials (Ray sets them pending) and the
+    search ends: nothing left interrupted or paused, at least one trial trained the whole
+    budget, and no trial ran past it."""
+    storage, db, num = tmp_path / "ray_results", tmp_path / "mlflow.db", 4
+    log, log2 = tmp_path / "driver.log", tmp_path / "resume.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "w") as fh:
+        driver = subprocess.Popen(_cmd(tiny_model_dir, tiny_data_dir, storage, db, "promote",
+                                       "--scheduler", "asha-promote", "--num-samples",
+                                       str(num), "--max-concurrent", "2"),
+                                  cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        def paused_at_the_rung():
+            runs = _trial_runs(db)
+            at_rung = [t for t, r in runs.items() if r["examples_seen"] >= 48]
+            return at_rung if len(at_rung) >= 2 else None
+        _wait_for(paused_at_the_rung, driver, 150, "two trials at the rung", poll=0.1)
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode in (0, 130), _log(log)  # 0: it ended in the same instant
+    with open(log2, "w") as fh:
+        resumed = subprocess.run(
+            [sys.executable, "tune_driver.py", "--resume", "--experiment", "promote",
+             "--storage-path", str(storage)],
+            cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=240)
+    assert resumed.returncode == 0, _log(log2)
+    summary = json.loads((storage / "promote" / "summary.json").read_text())
+    c = summary["counts"]
+    assert summary["interrupted"] is False and c["interrupted"] == 0 and c["errored"] == 0
+    assert c["completed"] >= 1 and c["completed"] + c["stopped_early"] == c["trials"] <= num
+    assert all(t["examples_seen"] <= SMOKE_MAX + 16 for t in summary["trials"])
+    assert _parent_status(db) == "FINISHED"
+    print(f"asha-promote ctrl-c: exit {driver.returncode}; resumed: {c}; examples "
+          f"{sorted(t['examples_seen'] for t in summary['trials'])}")
+
+
 # ---------------------------------------------------------------------- NaN loss
 NAN_SPACE = """\
 description: one STS loss weight overflows float32 (inf loss, then NaN weights)

@@ -450,6 +450,11 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     assert asha.choose_trial_to_run(controller) is None
     assert all(t[n].status == Trial.TERMINATED for n in "abcdefgh")
     assert asha.promoted == [{"b", "d", "f"}, {"d"}]
+    # a resumed search's fresh records: a trial that resumed from its rung-666 checkpoint
+    # and reports only at the end of the budget is not judged there (it ends)
+    fresh = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
+                            num_samples=9)
+    assert fresh.on_trial_result(controller, t["d"], {"examples_seen": 2000, soft: 0.8}) == C
     # Optuna was told each trial's first-rung soft score, once
     told = {tr.params["dropout"]: tr.value for tr in limiter.searcher._ot_study.trials}
     assert sorted(told.values()) == [0.10, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]

@@ -150,6 +150,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         self._metric, self._mode = metric, MODE
         self.rf = budget.reduction_factor
         self.workers = workers
+        self.max_examples = budget.max_examples
         self.rungs = [m for m in budget.rungs() if 2 * m <= budget.max_examples]
         # promotions from rung k, at most: synchronous halving's n_k / rf, n_0 = num_samples
         self.quota, reaching = [], num_samples
@@ -162,8 +163,11 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
-        k = self._rung_reached(trial.trial_id, result.get("examples_seen", 0))
-        if k is None:
+        seen = result.get("examples_seen", 0)
+        k = self._rung_reached(trial.trial_id, seen)
+        if k is None or (self.max_examples and seen >= self.max_examples):
+            # (the whole budget: the trial ends, whatever a resumed search's fresh records
+            # hold -- it resumed from its checkpoint at a rung and reported only here)
             return TrialScheduler.CONTINUE
         score = result.get(self._metric)
         self.scores[k][trial.trial_id] = (score if isinstance(score, (int, float))
