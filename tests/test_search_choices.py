@@ -507,7 +507,8 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
 def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_rung():
     """2 trials, rf 3: floor(2 / 3) = 0 promotions at the rung; once the searcher has
     given both and both are paused, the better one is promoted (some trial trains the
-    whole budget), then the other is stopped."""
+    whole budget, with both places' CPUs), then the other is stopped."""
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
@@ -517,7 +518,8 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
     from mtbert.tune.spaces import parse_space
     soft = RUNG_METRICS["classes_soft"]
     budget = get_budget("smoke").resolved(1000)
-    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=2)
+    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=2,
+                           last_leg_cpus=2)
     assert asha.rungs == [48] and asha.quota == [0]
     space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
                         "t.yaml")
@@ -527,6 +529,7 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
     for name, score in (("a", 0.41), ("b", 0.45)):
         assert limiter.suggest(name) is not None
         trial = Trial("t", config={}, trial_id=name, stub=True)
+        trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
         trial.set_status(Trial.RUNNING)
         controller.trials.append(trial)
         assert asha.on_trial_result(controller, trial, {"examples_seen": 48, soft: score}) \
@@ -534,6 +537,7 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
         trial.set_status(Trial.PAUSED)
     a, b = controller.trials
     assert asha.choose_trial_to_run(controller) is b and asha.promoted == [{"b"}]
+    assert b.placement_group_factory.required_resources == {"CPU": 2}
     b.set_status(Trial.RUNNING)
     assert asha.choose_trial_to_run(controller) is None and a.status == Trial.PAUSED
     b.set_status(Trial.TERMINATED)

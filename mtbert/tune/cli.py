@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "bohb). Default: bohb for --scheduler bohb, random for pbt / pb2, "
                         f"else {DEFAULT_SEARCHER}")
     p.add_argument("--scheduler", default=DEFAULT_SCHEDULER, choices=SCHEDULERS,
-                   help="asha: stop weak trials at the budget's rungs; fifo: every trial "
-                        "trains its whole budget (a baseline without early stopping); bohb: "
+                   help="asha: stop weak trials at the budget's rungs (Ray's ASHA, deciding "
+                        "as each trial arrives); asha-promote: ASHA as Li et al. state it, "
+                        "trials pause at the rungs and the best are promoted (with optuna / "
+                        "optuna-mv); fifo: every trial trains its whole budget (a baseline without early stopping); bohb: "
                         "Hyperband for BOHB on the same rungs (pip install "
                         "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
                         "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "

@@ -191,11 +191,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         trials = tune_controller.get_trials()
         promoted = [t for t in trials if t.status == t.PAUSED and self._was_promoted(t)]
         if promoted:
-            cpus = self._widen.pop(promoted[0].trial_id, None)
-            if cpus is not None:
-                promoted[0].update_resources(with_cpus(promoted[0].placement_group_factory,
-                                                       cpus))
-            return promoted[0]
+            return self._resumed(promoted[0])
         pending = [t for t in trials if t.status == t.PENDING]
         if pending:
             return pending[0]
@@ -203,11 +199,11 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         if busy < self.workers:  # a place no new trial took: the searcher has given all
             chosen = self._best_promotable(tune_controller)
             if chosen is not None:
-                return self._promote(tune_controller, *chosen)
+                return self._resumed(self._promote(tune_controller, *chosen))
         if busy == 0 and tune_controller.search_alg.is_finished():
             last = self._first_of_an_unpromoted_rung(tune_controller)
             if last is not None:
-                return last
+                return self._resumed(last)
             for t in trials:
                 if t.status == t.PAUSED:
                     tune_controller.stop_trial(t)
@@ -269,6 +265,13 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             tune_controller.search_alg.set_finished()
         if all(len(p) >= q for p, q in zip(self.promoted, self.quota)):
             self._end_the_rest(tune_controller, trial, arriving)
+        return trial
+
+    def _resumed(self, trial):
+        """``trial``, about to resume, with the CPUs of the last promotion if it is that."""
+        cpus = self._widen.pop(trial.trial_id, None)
+        if cpus is not None:
+            trial.update_resources(with_cpus(trial.placement_group_factory, cpus))
         return trial
 
     def _end_the_rest(self, tune_controller, last, arriving) -> None:
