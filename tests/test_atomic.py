@@ -32,3 +32,20 @@ def test_replaces_content_and_writes_floats_of_numpy_kind(tmp_path):
     atomic_write_json(target, {"x": np.float32(0.5)})
     assert json.loads(target.read_text()) == {"x": 0.5}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_a_uri_write_that_fails_keeps_the_old_file_whole(tmp_path):
+    """location.write_text (settings and MLflow state under a URI storage, file:// here):
+    a write that fails leaves the previous file as it was and no temporary beside it; a
+    write that succeeds replaces it (the driver-killed resume read an empty state file
+    when the file was opened, and so emptied, before the write)."""
+    from mtbert.tune import location as loc
+    target = tmp_path / "state.json"
+    uri = target.as_uri()
+    loc.write_text(uri, '{"a": 1}')
+    with pytest.raises(UnicodeEncodeError):
+        loc.write_text(uri, '{"a": "\ud800"}')  # a lone surrogate cannot be UTF-8
+    assert loc.read_text(uri) == '{"a": 1}'
+    loc.write_text(uri, '{"a": 2}')
+    assert loc.read_text(uri) == '{"a": 2}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]

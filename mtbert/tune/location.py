@@ -109,12 +109,24 @@ def read_text(uri: str) -> str | None:
 
 
 def write_text(uri: str, text: str) -> None:
+    """Write a file at a URI whole or not at all: to a temporary sibling, then moved over
+    it (a driver killed mid-write left an empty settings file that --resume could not read)."""
+    data = text.encode("utf-8")
     fs, path = filesystem(uri)
     parent = path.rsplit("/", 1)[0]
     if parent:
         fs.create_dir(parent, recursive=True)
-    with fs.open_output_stream(path) as fh:
-        fh.write(text.encode("utf-8"))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with fs.open_output_stream(tmp) as fh:
+            fh.write(data)
+        fs.move(tmp, path)
+    except BaseException:
+        try:
+            fs.delete_file(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def upload_tree(local_dir: Path, uri: str, skip: tuple[str, ...] = ()) -> None:
