@@ -80,6 +80,9 @@ class Method:
 ENDS = ("before sampling ended at the first rung's share and the last promotion took "
         "every worker's CPU")
 
+#: the driver turned the last leg's extra CPUs off after these runs (search.last_leg_cpus)
+LAST_LEG = "the last leg on both CPUs, since turned off in the driver (a smoke search hung)"
+
 METHODS = {
     "grid": Method("(a) grid, full budget", "fifo", "grid"),
     "random": Method("(b) random, full budget", "fifo", "random"),
@@ -114,9 +117,15 @@ METHODS = {
                                      rung_metric="classes_soft", superseded=ENDS),
     # the same as the driver runs it since: no trial sampled once the first rung has
     # promoted its share, and the last promotion trains on with both workers' CPUs
-    "asha_promote_cls_last": Method("promoting ASHA on classes_soft + independent TPE",
-                                    "asha-promote", "optuna", rung_metric="classes_soft",
-                                    last_leg=True),
+    "asha_promote_cls_last": Method("promoting ASHA on classes_soft + independent TPE, "
+                                    "last leg on both CPUs", "asha-promote", "optuna",
+                                    rung_metric="classes_soft", last_leg=True,
+                                    superseded=LAST_LEG),
+    # the same on the default rung metric
+    "asha_promote_soft_last": Method("promoting ASHA on overall_soft + independent TPE, "
+                                     "last leg on both CPUs", "asha-promote", "optuna",
+                                     rung_metric="overall_soft", last_leg=True,
+                                     superseded=LAST_LEG),
     # the same, the last promotion filling both places (the rung's two best trained on,
     # 1 CPU each): measured, then the option was removed (README)
     "asha_promote_cls_fill": Method("promoting ASHA on classes_soft + independent TPE, "

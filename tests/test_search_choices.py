@@ -79,6 +79,9 @@ def _assert_recorded(search: dict, scheduler: str, search_alg: str, trials: int)
     client = search["client"]
     for trial_id, df in search["ray"].trial_dataframes.items():
         history = client.get_metric_history(children[trial_id].info.run_id, "val/overall")
+        if df.empty:  # stopped before its first report (promoting ASHA's end): no points
+            assert not history
+            continue
         # (a trial PBT restarted from another's checkpoint may rewrite Ray's rows)
         assert set(df["examples_seen"]) <= {m.step for m in history}
 
@@ -97,8 +100,9 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     """``--scheduler asha-promote``: trials pause at the smoke budget's decision rung (48
     examples; 144 is past the budget's middle); floor(n / 3) = 1 is promoted once 3 have
     reached it, which ends the sampling (a 4th, if Ray had started it, is stopped before
-    the rung) and trains the whole budget with both places' CPUs (2 torch threads); the
-    rest are stopped at the rung.  The one promoted beat >= 2 others at the rung."""
+    the rung) and trains the whole budget (with its one place's CPU: the driver gives the
+    last leg no more, see search.last_leg_cpus); the rest are stopped at the rung.  The
+    one promoted beat >= 2 others at the rung."""
     search = run_search("promote", "--scheduler", "asha-promote", trials=4)
     trials = search["summary"]["trials"]
     _assert_recorded(search, "asha-promote", "optuna", len(trials))
@@ -111,21 +115,22 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     assert all(t["examples_seen"] < 96 for t in stopped)
     at_rung, threads = {}, {}
     for trial_id, df in search["ray"].trial_dataframes.items():
+        if df.empty:  # stopped before its first report
+            continue
         if (df["examples_seen"] >= 48).any():
             at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/overall_soft"]
         threads[trial_id] = df.set_index("examples_seen")["train/threads"].to_dict()
     winner = completed[0]["trial_id"]
     assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2
-    assert threads[winner][max(threads[winner])] == 2  # the last leg: 2 places' CPUs
-    assert all(n == 1 for t, d in threads.items() for e, n in d.items()
-               if t != winner or e <= 48)
+    assert all(n == 1 for d in threads.values() for n in d.values())  # 1 CPU a trial
 
 
 def test_asha_on_overall_soft_search(run_search):
     """``--rung-metric overall_soft``: a smoke search runs end to end; every result Ray
     and MLflow hold has the soft score beside the objective, and the summary and the
     parent run name what the scheduler decided on."""
-    search = run_search("soft", "--rung-metric", "overall_soft", trials=3)
+    search = run_search("soft", "--scheduler", "asha", "--rung-metric", "overall_soft",
+                        trials=3)
     _assert_recorded(search, "asha", "optuna", 3)
     assert search["summary"]["rung_metric"] == "val/overall_soft"
     assert "deciding on `val/overall_soft`" in (search["exp_dir"] / "summary.md").read_text()
@@ -139,8 +144,8 @@ def test_asha_on_overall_soft_search(run_search):
 
 
 def test_optuna_multivariate_search(run_search):
-    _assert_recorded(run_search("optuna-mv", "--search-alg", "optuna-mv"),
-                     "asha", "optuna-mv", 2)
+    _assert_recorded(run_search("optuna-mv", "--scheduler", "asha", "--search-alg",
+                                "optuna-mv"), "asha", "optuna-mv", 2)
 
 
 def test_pb2_search_perturbs_within_the_space(run_search):
@@ -206,8 +211,11 @@ def _assert_one_error(capsys, rc, tmp_path, *expected):
 @pytest.mark.parametrize("flags, expected", [
     (["--scheduler", "bohb", "--search-alg", "optuna"],
      ["--scheduler bohb needs --search-alg bohb", "got --search-alg optuna"]),
-    (["--search-alg", "bohb"], ["--search-alg bohb needs --scheduler bohb",
-                                "got --scheduler asha"]),
+    (["--scheduler", "asha", "--search-alg", "bohb"],
+     ["--search-alg bohb needs --scheduler bohb", "got --scheduler asha"]),
+    (["--scheduler", "asha-promote", "--search-alg", "random"],
+     ["--scheduler asha-promote needs --search-alg optuna or optuna-mv",
+      "got --search-alg random"]),
     (["--scheduler", "pbt", "--search-alg", "optuna"],
      ["--scheduler pbt needs --search-alg random", "got --search-alg optuna"]),
     (["--scheduler", "pb2", "--search-alg", "optuna-mv"],

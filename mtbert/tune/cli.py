@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "random: random search (baseline); bohb: TuneBOHB (with --scheduler "
                         "bohb). Default: bohb for --scheduler bohb, random for pbt / pb2, "
                         f"else {DEFAULT_SEARCHER}")
-    p.add_argument("--scheduler", default=DEFAULT_SCHEDULER, choices=SCHEDULERS,
+    p.add_argument("--scheduler", default=None, choices=SCHEDULERS,
                    help="asha: stop weak trials at the budget's rungs (Ray's ASHA, deciding "
                         "as each trial arrives); asha-promote: ASHA as Li et al. state it, "
                         "trials pause at the rungs and the best are promoted (with optuna / "
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hyperband for BOHB on the same rungs (pip install "
                         "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
                         "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
-                        f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER}")
+                        f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER} (bohb "
+                        "with --search-alg bohb)")
     p.add_argument("--rung-metric", default=DEFAULT_RUNG_METRIC, choices=list(RUNG_METRICS),
                    help="what the scheduler compares trials on at its rungs (PBT / PB2: at "
                         "each interval): overall, the objective (val/overall); overall_soft "

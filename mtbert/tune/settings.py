@@ -30,7 +30,7 @@ from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan
 from mtbert.tune.records import DEFAULT_RUNG_METRIC
 from mtbert.tune.search import (POPULATION_SCHEDULERS, check_optional_packages, mutations,
-                                resolve_search_alg)
+                                resolve_scheduler, resolve_search_alg)
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
 
 SETTINGS_FILE = "mtbert_search.json"
@@ -143,6 +143,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         raise ConfigError("--space is required (see --list-spaces)")
     space = parse_space(saved["space"], saved["space_path"]) if saved else load_space(args.space)
     budget = get_budget(args.budget)
+    args.scheduler = resolve_scheduler(args.scheduler, args.search_alg)
     search_alg = resolve_search_alg(args.scheduler, args.search_alg)
     check_optional_packages(args.scheduler, search_alg)
     if args.scheduler in POPULATION_SCHEDULERS:
