@@ -71,8 +71,8 @@ class Method:
     # measured with driver code that has changed since (named here): its runs are kept as
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
-    # asha-promote: its last promotion resumes with every worker's CPU, as the driver's on
-    # one machine (mtbert.tune.search.last_leg_cpus)
+    # asha-promote: its last promotion resumes with every worker's CPU (the driver's did
+    # on one machine until that was turned off: mtbert.tune.search.build_tuner)
     last_leg: bool = False
 
 
@@ -80,7 +80,7 @@ class Method:
 ENDS = ("before sampling ended at the first rung's share and the last promotion took "
         "every worker's CPU")
 
-#: the driver turned the last leg's extra CPUs off after these runs (search.last_leg_cpus)
+#: the driver turned the last leg's extra CPUs off after these runs (search.build_tuner)
 LAST_LEG = "the last leg on both CPUs, since turned off in the driver (a smoke search hung)"
 
 METHODS = {

@@ -343,11 +343,10 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
 def test_ctrl_c_during_a_promoting_asha_search_then_resume_finishes_it(tmp_path,
                                                                       tiny_model_dir,
                                                                       tiny_data_dir):
-    """``--scheduler asha-promote`` on one machine (the driver's own Ray: actors reused,
-    the last promotion resumed with both CPUs): SIGINT once trials have paused at the
-    rung; --resume restores paused and running trials (Ray sets them pending) and the
-    search ends: nothing left interrupted or paused, at least one trial trained the whole
-    budget, and no trial ran past it."""
+    """``--scheduler asha-promote`` on one machine (the driver's own Ray, actors reused):
+    SIGINT once trials have paused at the rung; --resume restores paused and running
+    trials (Ray sets them pending) and the search ends: nothing left interrupted or
+    paused, at least one trial trained the whole budget, and no trial ran past it."""
     storage, db, num = tmp_path / "ray_results", tmp_path / "mlflow.db", 4
     log, log2 = tmp_path / "driver.log", tmp_path / "resume.log"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -101,7 +101,7 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     examples; 144 is past the budget's middle); floor(n / 3) = 1 is promoted once 3 have
     reached it, which ends the sampling (a 4th, if Ray had started it, is stopped before
     the rung) and trains the whole budget (with its one place's CPU: the driver gives the
-    last leg no more, see search.last_leg_cpus); the rest are stopped at the rung.  The
+    last leg no more, see search.build_tuner); the rest are stopped at the rung.  The
     one promoted beat >= 2 others at the rung."""
     search = run_search("promote", "--scheduler", "asha-promote", trials=4)
     trials = search["summary"]["trials"]
@@ -213,9 +213,6 @@ def _assert_one_error(capsys, rc, tmp_path, *expected):
      ["--scheduler bohb needs --search-alg bohb", "got --search-alg optuna"]),
     (["--scheduler", "asha", "--search-alg", "bohb"],
      ["--search-alg bohb needs --scheduler bohb", "got --scheduler asha"]),
-    (["--scheduler", "asha-promote", "--search-alg", "random"],
-     ["--scheduler asha-promote needs --search-alg optuna or optuna-mv",
-      "got --search-alg random"]),
     (["--scheduler", "pbt", "--search-alg", "optuna"],
      ["--scheduler pbt needs --search-alg random", "got --search-alg optuna"]),
     (["--scheduler", "pb2", "--search-alg", "optuna-mv"],

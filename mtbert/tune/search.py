@@ -223,18 +223,6 @@ def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OB
     return ASHAOnExamples(budget, rung_metric)
 
 
-def last_leg_cpus(settings, max_concurrent: int) -> float:
-    """The CPUs ``asha-promote`` gives the trial it promotes last (0: unchanged).
-
-    Off (0) for now: every place's CPUs, on one machine with CPU trials, cut the bench's
-    wall (README, "Promoting ASHA"), but one smoke search hung with the 2-CPU last leg
-    pending while a reused 1-CPU worker, whose trial had been stopped, still held a CPU
-    (2026-11-25); until that is understood the last leg keeps its one place.  (On a
-    cluster a trial's CPUs stay on one node, and GPU trials gain nothing from threads.)"""
-    del settings, max_concurrent
-    return 0.0
-
-
 def reuses_actors(scheduler: str, address: str | None) -> bool:
     """Whether trials reuse Ray's actors (worker processes with torch and the encoder
     loaded).  Not with the schedulers that pause trials in turns (PAUSING_SCHEDULERS):
@@ -267,10 +255,13 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples, settings.scheduler, settings.budget.grace_period,
                 RUNG_METRICS[settings.rung_metric]),
+            # no last_leg_cpus for asha-promote: the last leg on every place's CPUs cut the
+            # bench's wall (README, "Promoting ASHA"), but a smoke search hung with that
+            # 2-CPU leg pending while a reused 1-CPU worker, whose trial had been stopped,
+            # still held a CPU (2026-11-25); until that is understood it keeps its place
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
                                       RUNG_METRICS[settings.rung_metric], max_concurrent,
-                                      settings.num_samples, last_leg_cpus(settings,
-                                                                          max_concurrent)),
+                                      settings.num_samples),
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(

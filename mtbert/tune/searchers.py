@@ -4,11 +4,11 @@
 it has already scored.  In a space of steps and choices (``quniform``, ``randint``,
 ``choice``) TPE proposes configurations it has already tried: the bench's stepped
 search trained dropout 0.1, lambda_s 1 twice in one seed, 2,000 examples for a score it
-had (the trainings are seeded, so the repeat scored the same to the last digit).  Here a proposal equal to a
-finished trial's is told that trial's value at once -- the answer Optuna's FAQ gives for
-repeated parameters -- and the sampler is asked again.  After ``MAX_ASKS`` repeats in a
-row the repeat trains (TPE can insist on its favourite while other configurations are
-left).  In a continuous space proposals never repeat exactly, and nothing changes.
+had (the trainings are seeded, so the repeat scored the same to the last digit).  Here
+a proposal equal to a finished trial's is told that trial's value at once -- the answer
+Optuna's FAQ gives for repeated parameters -- and the sampler is asked again.  After
+``MAX_ASKS`` repeats in a row the repeat trains (TPE can insist on its favourite while
+other configurations are left).  In a continuous space proposals never repeat exactly, and nothing changes.
 
 :class:`RunningTrialsLimiter` replaces Ray's ConcurrencyLimiter under ``--scheduler
 asha-promote`` (see its docstring).
