@@ -71,17 +71,14 @@ class Method:
     # measured with driver code that has changed since (named here): its runs are kept as
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
-    # asha-promote: its last promotion resumes with every worker's CPU (the driver's did
-    # on one machine until that was turned off: mtbert.tune.search.build_tuner)
+    # asha-promote: its last promotion resumes with every worker's CPU, as the driver's
+    # does on one machine (mtbert.tune.search.build_tuner)
     last_leg: bool = False
 
 
 #: what asha-promote changed after the runs labelled with it
 ENDS = ("before sampling ended at the first rung's share and the last promotion took "
         "every worker's CPU")
-
-#: the driver turned the last leg's extra CPUs off after these runs (search.build_tuner)
-LAST_LEG = "the last leg on both CPUs, since turned off in the driver (a smoke search hung)"
 
 METHODS = {
     "grid": Method("(a) grid, full budget", "fifo", "grid"),
@@ -119,13 +116,11 @@ METHODS = {
     # promoted its share, and the last promotion trains on with both workers' CPUs
     "asha_promote_cls_last": Method("promoting ASHA on classes_soft + independent TPE, "
                                     "last leg on both CPUs", "asha-promote", "optuna",
-                                    rung_metric="classes_soft", last_leg=True,
-                                    superseded=LAST_LEG),
+                                    rung_metric="classes_soft", last_leg=True),
     # the same on the default rung metric
     "asha_promote_soft_last": Method("promoting ASHA on overall_soft + independent TPE, "
                                      "last leg on both CPUs", "asha-promote", "optuna",
-                                     rung_metric="overall_soft", last_leg=True,
-                                     superseded=LAST_LEG),
+                                     rung_metric="overall_soft", last_leg=True),
     # the same, the last promotion filling both places (the rung's two best trained on,
     # 1 CPU each): measured, then the option was removed (README)
     "asha_promote_cls_fill": Method("promoting ASHA on classes_soft + independent TPE, "

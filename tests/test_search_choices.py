@@ -100,9 +100,9 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     """``--scheduler asha-promote``: trials pause at the smoke budget's decision rung (48
     examples; 144 is past the budget's middle); floor(n / 3) = 1 is promoted once 3 have
     reached it, which ends the sampling (a 4th, if Ray had started it, is stopped before
-    the rung) and trains the whole budget (with its one place's CPU: the driver gives the
-    last leg no more, see search.build_tuner); the rest are stopped at the rung.  The
-    one promoted beat >= 2 others at the rung."""
+    the rung) and trains the whole budget, with both places' CPUs unless a trial stopped
+    then was still queued (schedulers.PromotingASHA._end_the_rest); the rest are stopped
+    at the rung.  The one promoted beat >= 2 others at the rung."""
     search = run_search("promote", "--scheduler", "asha-promote", trials=4)
     trials = search["summary"]["trials"]
     _assert_recorded(search, "asha-promote", "optuna", len(trials))
@@ -113,16 +113,21 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     assert len(stopped) == len(trials) - 1
     assert sum(48 <= t["examples_seen"] < 96 for t in stopped) >= 2
     assert all(t["examples_seen"] < 96 for t in stopped)
-    at_rung, threads = {}, {}
+    at_rung, threads, unreported = {}, {}, 0
     for trial_id, df in search["ray"].trial_dataframes.items():
-        if df.empty:  # stopped before its first report
+        if df.empty:  # stopped before its first report (queued, maybe: see below)
+            unreported += 1
             continue
         if (df["examples_seen"] >= 48).any():
             at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/overall_soft"]
         threads[trial_id] = df.set_index("examples_seen")["train/threads"].to_dict()
     winner = completed[0]["trial_id"]
     assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2
-    assert all(n == 1 for d in threads.values() for n in d.values())  # 1 CPU a trial
+    # the last leg: both places' CPUs, unless the last promotion stopped a queued trial
+    last_leg = threads[winner][max(threads[winner])]
+    assert last_leg == 2 or (last_leg == 1 and unreported)
+    assert all(n == 1 for t, d in threads.items() for e, n in d.items()
+               if t != winner or e <= 48)
 
 
 def test_asha_on_overall_soft_search(run_search):
@@ -465,10 +470,69 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     assert sorted(told.values()) == [0.10, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]
 
 
+def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_none():
+    """8 trials, rf 3: the first rung promotes 2, the second floor(2 / 3) = 0.  The second
+    promotion from the first rung is the last one; the first promoted, training on to the
+    second rung, goes on (it was stopped there), and once both have paused at the second
+    rung and nothing runs, the end rule trains the better one to the end."""
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    from mtbert.tune.budgets import Budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
+    soft = RUNG_METRICS["overall_soft"]
+    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
+                    grace_period=222, reduction_factor=3, warmup_examples=96,
+                    max_train_per_task=0, max_eval_per_task=0, num_samples=8,
+                    ensemble_top_k=1)
+    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=8)
+    assert asha.rungs == [222, 666] and asha.quota == [2, 0]
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "t.yaml")
+    limiter = build_searcher("optuna", 0, 2, 8, "asha-promote", 222, soft)
+    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
+    finished = [False]
+    controller = _Controller(limiter, finished)
+    t = {}
+
+    def start(name):
+        assert limiter.suggest(name) is not None
+        t[name] = Trial("t", config={}, trial_id=name, stub=True)
+        t[name].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+        controller.trials.append(t[name])
+
+    def arrive(name, examples, score):
+        t[name].set_status(Trial.RUNNING)
+        decision = asha.on_trial_result(controller, t[name],
+                                        {"examples_seen": examples, soft: score})
+        if decision == TrialScheduler.PAUSE:
+            t[name].set_status(Trial.PAUSED)
+        return decision
+
+    P, C = TrialScheduler.PAUSE, TrialScheduler.CONTINUE
+    start("a"), start("b")
+    assert arrive("a", 224, 0.50) == P and arrive("b", 224, 0.60) == P
+    start("c"), start("d")                  # the paused freed their places
+    assert arrive("c", 224, 0.40) == P      # n = 3: b promoted in c's place
+    assert asha.choose_trial_to_run(controller) is t["b"]
+    t["b"].set_status(Trial.RUNNING)
+    assert arrive("d", 224, 0.70) == C      # n = 4: d, the last promotion
+    assert finished[0] and asha.promoted == [{"b", "d"}, set()]
+    assert t["b"].status == Trial.RUNNING   # promoted too: it trains on
+    assert arrive("b", 668, 0.62) == P and arrive("d", 668, 0.75) == P
+    assert asha.choose_trial_to_run(controller) is t["d"]  # the end rule: the better one
+    assert asha.promoted == [{"b", "d"}, {"d"}]
+
+
 def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
     """The trial whose own arrival makes the last promotion pauses (Ray changes the
     resources of a trial that is not running) and is resumed at once with both places'
-    CPUs; with ``last_leg_cpus`` 0 it goes on as it is."""
+    CPUs; with ``last_leg_cpus`` 0 it goes on as it is.  Where the last promotion stops a
+    PENDING trial (Ray 2.60 keeps it staged, and a cached worker with it: a smoke search
+    hung with the widened leg pending) it goes on as it is too."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
@@ -481,7 +545,9 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
     budget = get_budget("smoke").resolved(1000)
     space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
                         "t.yaml")
-    for cpus, decision in ((2, TrialScheduler.PAUSE), (0, TrialScheduler.CONTINUE)):
+    for cpus, pending, decision in ((2, False, TrialScheduler.PAUSE),
+                                    (0, False, TrialScheduler.CONTINUE),
+                                    (2, True, TrialScheduler.CONTINUE)):
         asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
                                num_samples=3, last_leg_cpus=cpus)
         assert asha.rungs == [48] and asha.quota == [1]
@@ -489,6 +555,11 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
         limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
         finished = [False]
         controller = _Controller(limiter, finished)
+        if pending:  # queued by Ray, its worker not started, when the last promotion comes
+            queued = Trial("t", config={}, trial_id="q", stub=True)
+            queued.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+            controller.trials.append(queued)
+            assert queued.status == Trial.PENDING
         for name, score in (("a", 0.41), ("b", 0.40), ("c", 0.45)):
             assert limiter.suggest(name) is not None
             trial = Trial("t", config={}, trial_id=name, stub=True)
@@ -501,6 +572,8 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
                 trial.set_status(Trial.PAUSED)
         assert got == decision and finished[0] and asha.promoted == [{"c"}]
         c = controller.trials[-1]
+        if pending:
+            assert controller.trials[0].status == Trial.TERMINATED
         if decision == TrialScheduler.PAUSE:
             c.set_status(Trial.PAUSED)
             assert asha.choose_trial_to_run(controller) is c

@@ -124,8 +124,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
       running to a rung can change nothing and are stopped, and the promoted trial is
       resumed with the CPUs they and it held (``last_leg_cpus``, the search's places x
       CPUs per trial; torch threads follow the trial's CPUs), where it would otherwise
-      train the whole rest of the budget alone beside idle workers (the driver passes 0
-      for now: see ``search.build_tuner``).
+      train the whole rest of the budget alone beside idle workers (the driver's, on one
+      machine with CPU trials: see ``search.build_tuner``).
     * Once the searcher has given its ``num_samples`` trials and nothing runs or can be
       promoted, the best trial of the highest rung that promoted none (fewer than rf
       trials reached it: a search of 2 trials) is promoted, so that some trial trains
@@ -279,16 +279,24 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         """The last promotion: stop the trials running to a rung (no rung can promote
         them; ``arriving``, whose result is being decided, pauses instead) and give
         their CPUs, with its own, to ``last`` (see ``last_leg_cpus``)."""
-        kept = 0.0
+        # the trials promoted by the last rung that promotes any (9 trials, rf 3: 3 -> 1;
+        # 8 trials: 2 -> 0, both of the first rung's go on, and the end rule picks one)
+        deciding = max((k for k, q in enumerate(self.quota) if q > 0), default=-1)
+        kept, stopped_pending = 0.0, False
         for t in tune_controller.get_trials():
             if t is last or t.status not in (t.RUNNING, t.PENDING, t.PAUSED):
                 continue
-            if t.trial_id in self.promoted[-1]:
+            if t.trial_id in self.promoted[deciding]:
                 kept += trial_cpus(t)  # training, or about to train, the rest of the budget
             elif t is not arriving and t.status != t.PAUSED:
+                stopped_pending |= t.status == t.PENDING
                 tune_controller.stop_trial(t)
+        # Ray 2.60's controller keeps a PENDING trial it stops (staged, its actor not yet
+        # started) among its staged trials, so its actor cache goes on holding a cached
+        # 1-CPU worker for it; a resumed leg that needs that CPU then waits forever (a
+        # smoke search hung so).  The last leg keeps its CPUs then.
         cpus = self.last_leg_cpus - kept
-        if cpus > trial_cpus(last) > 0 and not trial_gpus(last):
+        if cpus > trial_cpus(last) > 0 and not trial_gpus(last) and not stopped_pending:
             self._widen[last.trial_id] = cpus
 
     def _paused_at(self, trial, k: int) -> bool:

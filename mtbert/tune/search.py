@@ -19,7 +19,8 @@ Schedulers (``--scheduler``), all on examples seen, comparing trials on ``--rung
   deciding as each trial arrives;
 * ``asha-promote``: ASHA as the paper states it: trials pause at the rungs and a freed
   worker promotes the best of the top 1/rf of a rung (or starts a new trial), at most
-  synchronous halving's share per rung; with Optuna, told each trial's first-rung score
+  synchronous halving's share per rung; the last promotion trains on with every place's
+  CPUs (one machine, CPU trials); with Optuna, told each trial's first-rung score
   (schedulers.py, searchers.py);
 * ``fifo``: every trial trains its whole budget;
 * ``bohb``: ``HyperBandForBOHB`` (Hyperband brackets whose rungs are the budget's;
@@ -255,13 +256,14 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples, settings.scheduler, settings.budget.grace_period,
                 RUNG_METRICS[settings.rung_metric]),
-            # no last_leg_cpus for asha-promote: the last leg on every place's CPUs cut the
-            # bench's wall (README, "Promoting ASHA"), but a smoke search hung with that
-            # 2-CPU leg pending while a reused 1-CPU worker, whose trial had been stopped,
-            # still held a CPU (2026-11-25); until that is understood it keeps its place
+            # asha-promote's last leg trains on every place's CPUs (README, "Promoting
+            # ASHA"); on a cluster a trial's CPUs stay on one node, and GPU trials gain
+            # nothing from more threads
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
                                       RUNG_METRICS[settings.rung_metric], max_concurrent,
-                                      settings.num_samples),
+                                      settings.num_samples,
+                                      0.0 if settings.address or settings.gpus_per_trial
+                                      else max_concurrent * settings.cpus_per_trial),
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
