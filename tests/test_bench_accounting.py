@@ -170,7 +170,7 @@ def test_bench_budget_puts_the_rungs_where_the_method_says(se):
     for population in ("pbt", "pb2"):  # compared every full / 6, no growth
         budget = se.bench_budget(args, se.METHODS[population])
         assert (budget.eval_every, budget.eval_growth) == (333, 1)
-    assert se.DEFAULT_METHOD == "asha_tpe_indep_soft"  # the driver's pair and rung metric
+    assert se.DEFAULT_METHOD == "asha_promote_soft_last"  # the driver's pair and rung metric
 
 
 def test_first_rung_spread(se):

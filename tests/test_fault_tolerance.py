@@ -41,9 +41,12 @@ SMOKE_MAX = 192  # --budget smoke: examples per trial
 
 def _cmd(model: str, data: str, storage: Path | str, db: Path | None, experiment: str,
          *extra: str) -> list[str]:
+    # Ray's ASHA, whose trials train on unpaused, so that the faults land mid-training;
+    # promoting ASHA (the default) pauses trials at the rung (its own test: Ctrl-C below;
+    # an ``--scheduler`` in ``extra`` comes later and wins)
     cmd = [sys.executable, "tune_driver.py", "--space", "smoke", "--budget", "smoke",
            "--model", model, "--data-dir", data, "--storage-path", str(storage),
-           "--experiment", experiment, "--seed", "0"]
+           "--experiment", experiment, "--seed", "0", "--scheduler", "asha"]
     if db is not None:
         cmd += ["--mlflow-uri", f"sqlite:///{db}"]
     return cmd + list(extra)

@@ -45,7 +45,11 @@ def search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
                        "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
                        # one trial at a time: seeded TPE then sees results in a fixed
                        # order, so the ASHA decisions (and the test) are deterministic
-                       "--max-concurrent", "1"])
+                       "--max-concurrent", "1",
+                       # Ray's ASHA, deciding on arrival: every trial sampled, some
+                       # stopped, some trained to the end (the default, promoting ASHA,
+                       # has its own smoke test in test_search_choices.py)
+                       "--scheduler", "asha"])
     finally:
         if started:
             ray.shutdown()

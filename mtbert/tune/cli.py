@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
                         "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
                         f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER} (bohb "
-                        "with --search-alg bohb)")
+                        "with --search-alg bohb, asha with --search-alg random)")
     p.add_argument("--rung-metric", default=DEFAULT_RUNG_METRIC, choices=list(RUNG_METRICS),
                    help="what the scheduler compares trials on at its rungs (PBT / PB2: at "
                         "each interval): overall, the objective (val/overall); overall_soft "

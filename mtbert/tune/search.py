@@ -49,10 +49,10 @@ from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
 from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS
 
-#: the default search: ASHA (deciding on records.DEFAULT_RUNG_METRIC) + Optuna's independent
-#: TPE, what bench/search_efficiency.py ranks first among the pairs it measured over 3 seeds
-#: (README "Search efficiency")
-DEFAULT_SCHEDULER = "asha"
+#: the default search: promoting ASHA (deciding on records.DEFAULT_RUNG_METRIC) + Optuna's
+#: independent TPE, what bench/search_efficiency.py ranks first among the pairs it measured
+#: over 3 seeds (README "Search efficiency")
+DEFAULT_SCHEDULER = "asha-promote"
 DEFAULT_SEARCHER = "optuna"
 SCHEDULERS = ("asha", "asha-promote", "fifo", "bohb", "pbt", "pb2")
 SEARCHERS = ("optuna", "optuna-mv", "random", "bohb")
