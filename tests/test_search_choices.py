@@ -374,6 +374,28 @@ class _Controller:
         trial.set_status(trial.TERMINATED)
 
 
+def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0):
+    """PromotingASHA on a 2,000-example budget, rungs 222 / 666 / 1,998 (rf 3), deciding on
+    overall_soft, 2 workers, with the driver's searcher and a fake controller."""
+    from mtbert.tune.budgets import Budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
+    soft = RUNG_METRICS["overall_soft"]
+    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
+                    grace_period=222, reduction_factor=3, warmup_examples=96,
+                    max_train_per_task=0, max_eval_per_task=0, num_samples=num_samples,
+                    ensemble_top_k=1)
+    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
+                           num_samples=num_samples, last_leg_cpus=last_leg_cpus)
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "t.yaml")
+    limiter = build_searcher("optuna", 0, 2, num_samples, "asha-promote", 222, soft)
+    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
+    finished = [False]
+    return asha, limiter, _Controller(limiter, finished), finished, soft
+
+
 def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     """Rungs 222 and 666 decide (1,998 is past the budget's middle).  A trial reaching a
     rung continues if it is the best promotable of the top floor(n / 3); else it pauses
@@ -386,25 +408,9 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    from mtbert.tune.budgets import Budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["overall_soft"]
-    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
-                    grace_period=222, reduction_factor=3, warmup_examples=96,
-                    max_train_per_task=0, max_eval_per_task=0, num_samples=9,
-                    ensemble_top_k=1)
-    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=9,
-                           last_leg_cpus=2)
+    asha, limiter, controller, finished, soft = _promoting_asha_on_222(9, last_leg_cpus=2)
     assert asha.rungs == [222, 666] and asha.quota == [3, 1]
     assert asha.set_search_properties(OBJECTIVE, "max") and asha.metric == soft
-    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
-                        "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, 9, "asha-promote", 222, soft)
-    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
-    finished = [False]
-    controller = _Controller(limiter, finished)
 
     def start(name):
         assert not finished[0], "Ray asks a finished searcher for no trial"
@@ -462,8 +468,7 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     assert asha.promoted == [{"b", "d", "f"}, {"d"}]
     # a resumed search's fresh records: a trial that resumed from its rung-666 checkpoint
     # and reports only at the end of the budget is not judged there (it ends)
-    fresh = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
-                            num_samples=9)
+    fresh = _promoting_asha_on_222(9)[0]
     assert fresh.on_trial_result(controller, t["d"], {"examples_seen": 2000, soft: 0.8}) == C
     # Optuna was told each trial's first-rung soft score, once
     told = {tr.params["dropout"]: tr.value for tr in limiter.searcher._ot_study.trials}
@@ -479,23 +484,8 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    from mtbert.tune.budgets import Budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["overall_soft"]
-    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
-                    grace_period=222, reduction_factor=3, warmup_examples=96,
-                    max_train_per_task=0, max_eval_per_task=0, num_samples=8,
-                    ensemble_top_k=1)
-    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=8)
+    asha, limiter, controller, finished, soft = _promoting_asha_on_222(8)
     assert asha.rungs == [222, 666] and asha.quota == [2, 0]
-    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
-                        "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, 8, "asha-promote", 222, soft)
-    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
-    finished = [False]
-    controller = _Controller(limiter, finished)
     t = {}
 
     def start(name):
