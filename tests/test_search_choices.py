@@ -479,12 +479,13 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
     """8 trials, rf 3: the first rung promotes 2, the second floor(2 / 3) = 0.  The second
     promotion from the first rung is the last one; the first promoted, training on to the
     second rung, goes on (it was stopped there), and once both have paused at the second
-    rung and nothing runs, the end rule trains the better one to the end."""
+    rung and nothing runs, the end rule trains the better one to the end, with both
+    places' CPUs (the other one stays paused)."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    asha, limiter, controller, finished, soft = _promoting_asha_on_222(8)
+    asha, limiter, controller, finished, soft = _promoting_asha_on_222(8, last_leg_cpus=2)
     assert asha.rungs == [222, 666] and asha.quota == [2, 0]
     t = {}
 
@@ -513,8 +514,10 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
     assert finished[0] and asha.promoted == [{"b", "d"}, set()]
     assert t["b"].status == Trial.RUNNING   # promoted too: it trains on
     assert arrive("b", 668, 0.62) == P and arrive("d", 668, 0.75) == P
+    assert t["d"].placement_group_factory.required_resources == {"CPU": 1}  # b ran on
     assert asha.choose_trial_to_run(controller) is t["d"]  # the end rule: the better one
     assert asha.promoted == [{"b", "d"}, {"d"}]
+    assert t["d"].placement_group_factory.required_resources == {"CPU": 2}  # b is paused
 
 
 def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():

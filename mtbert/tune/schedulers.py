@@ -287,7 +287,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             if t is last or t.status not in (t.RUNNING, t.PENDING, t.PAUSED):
                 continue
             if t.trial_id in self.promoted[deciding]:
-                kept += trial_cpus(t)  # training, or about to train, the rest of the budget
+                if self._top_rung(t.trial_id) == deciding:  # not yet paused at a later rung
+                    kept += trial_cpus(t)  # training, or about to train, the rest
             elif t is not arriving and t.status != t.PAUSED:
                 stopped_pending |= t.status == t.PENDING
                 tune_controller.stop_trial(t)
