@@ -3,7 +3,8 @@ over both nodes.
 
 A head and a worker node are separate ``ray start`` process groups (1 CPU each, their
 own temp dirs; see tests/ray_cluster.py).  Both share this machine's IP, so each trial
-reports the Ray node id it ran on (result field and MLflow tag ``node_id``); the test
+reports the Ray node id it ran on (result field; MLflow tags ``node_id``, the last, and
+``node_ids``, every one: a trial paused at a rung may resume on the other node); the test
 asserts from Ray's results and from MLflow that both nodes ran trials.
 
 The storage is given as a URI (``--storage-path file:///...``), as a cluster would give
@@ -69,23 +70,28 @@ def test_trials_ran_on_both_nodes(two_node_search):
 
     # Ray's results: every result row carries the node it was computed on
     analysis = ExperimentAnalysis(str(exp_dir))
-    ran_on = {}
+    ran_on, last_on = {}, {}
     for trial in analysis.trials:
         df = analysis.trial_dataframes[trial.trial_id]
         assert df["node_id"].notna().all()
         ran_on[trial.trial_id] = set(df["node_id"])
+        last_on[trial.trial_id] = df["node_id"].iloc[-1]
         assert ran_on[trial.trial_id] <= set(nodes), ran_on  # only the cluster's nodes
     used = set().union(*ran_on.values())
     assert used == set(nodes), f"trials ran only on {[nodes[n] for n in used]}"
 
-    # MLflow agrees: one child run per trial, tagged with the node it ran on
+    # MLflow agrees: one child run per trial, tagged with the nodes it ran on (node_ids)
+    # and the one it ran on last (node_id): a trial paused at a rung (the default,
+    # promoting ASHA) may resume on the other node
     client = MlflowClient(tracking_uri=two_node_search["uri"])
     exp = client.get_experiment_by_name("mtbert/smoke")
     children = [r for r in client.search_runs([exp.experiment_id])
                 if r.data.tags.get("kind") == "trial"]
     assert len(children) == NUM_TRIALS
     tagged = {r.data.tags["trial_id"]: r.data.tags["node_id"] for r in children}
-    assert {tid: {node} for tid, node in tagged.items()} == ran_on
+    assert tagged == last_on
+    assert {r.data.tags["trial_id"]: set(r.data.tags["node_ids"].split(","))
+            for r in children} == ran_on
     assert {t["trial_id"] for t in summary["trials"]} == set(tagged)
 
 
