@@ -300,12 +300,22 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
     for tid, r in busy.items():
         df = analysis.trial_dataframes[tid]
         seen = list(df["examples_seen"])
-        assert seen[-1] == max(seen) >= r["examples_seen"], (tid, seen)
+        record = next(t for t in summary["trials"] if t["trial_id"] == tid)
+        if seen[-1] == max(seen):
+            assert seen[-1] >= r["examples_seen"], (tid, seen)
+        else:
+            # Ray keeps no scheduler state across a restore: ASHA's rungs start empty, and
+            # a trial redoing a rung it had passed can be stopped there (one CI run: 194
+            # examples before the kill, restored at 100, stopped at the 144 rung on 146);
+            # the summary keeps the furthest it got
+            assert seen[-1] in seen[:-1] and record["examples_seen"] == max(seen), (
+                tid, seen, record["examples_seen"])
+            assert record["status"] == ("completed" if max(seen) >= SMOKE_MAX
+                                        else "stopped_early"), (tid, seen, record["status"])
         by_seen = df.groupby("examples_seen")["val/overall"].agg(["min", "max"])
         assert (by_seen["max"] - by_seen["min"]).abs().max() < 1e-9, by_seen  # same values
         last = df.iloc[-1]
         resumed_from[tid] = int(last["training_iteration"] - last["iterations_since_restore"])
-        record = next(t for t in summary["trials"] if t["trial_id"] == tid)
         assert record["evaluations"] == len(set(seen))  # the summary counts each once
     # MLflow: no duplicate runs (one parent, one child per trial), no repeated points
     children, parents = _mlflow_children(db)
