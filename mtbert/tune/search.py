@@ -224,6 +224,15 @@ def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OB
     return ASHAOnExamples(budget, rung_metric)
 
 
+def last_leg_cpus(settings, max_concurrent: int) -> float:
+    """The CPUs ``asha-promote`` gives the trial it promotes last (README, "Promoting
+    ASHA"): every place's, on one machine with CPU trials; on a cluster (``--address``) a
+    trial's CPUs stay on one node and GPU trials gain nothing from threads: 0, unchanged."""
+    if settings.address or settings.gpus_per_trial:
+        return 0.0
+    return max_concurrent * settings.cpus_per_trial
+
+
 def reuses_actors(scheduler: str, address: str | None) -> bool:
     """Whether trials reuse Ray's actors (worker processes with torch and the encoder
     loaded).  Not with the schedulers that pause trials in turns (PAUSING_SCHEDULERS):
@@ -256,14 +265,10 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples, settings.scheduler, settings.budget.grace_period,
                 RUNG_METRICS[settings.rung_metric]),
-            # asha-promote's last leg trains on every place's CPUs (README, "Promoting
-            # ASHA"); on a cluster a trial's CPUs stay on one node, and GPU trials gain
-            # nothing from more threads
             scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
                                       RUNG_METRICS[settings.rung_metric], max_concurrent,
                                       settings.num_samples,
-                                      0.0 if settings.address or settings.gpus_per_trial
-                                      else max_concurrent * settings.cpus_per_trial),
+                                      last_leg_cpus(settings, max_concurrent)),
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(

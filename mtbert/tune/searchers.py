@@ -8,7 +8,8 @@ had (the trainings are seeded, so the repeat scored the same to the last digit).
 a proposal equal to a finished trial's is told that trial's value at once -- the answer
 Optuna's FAQ gives for repeated parameters -- and the sampler is asked again.  After
 ``MAX_ASKS`` repeats in a row the repeat trains (TPE can insist on its favourite while
-other configurations are left).  In a continuous space proposals never repeat exactly, and nothing changes.
+other configurations are left).  In a continuous space proposals never repeat exactly,
+and nothing changes.
 
 :class:`RunningTrialsLimiter` replaces Ray's ConcurrencyLimiter under ``--scheduler
 asha-promote`` (see its docstring).
