@@ -107,6 +107,9 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     trials = search["summary"]["trials"]
     _assert_recorded(search, "asha-promote", "optuna", len(trials))
     assert len(trials) in (3, 4)
+    # the 4th, if never sampled, was not needed (the driver warns of no lost trial)
+    counts = search["summary"]["counts"]
+    assert (counts["not_started"], counts["not_needed"]) == (0, 4 - len(trials))
     completed = [t for t in trials if t["status"] == "completed"]
     assert len(completed) == 1 and completed[0]["examples_seen"] >= 192
     stopped = [t for t in trials if t["status"] == "stopped_early"]
@@ -448,8 +451,9 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     t["f"] = start("f")
     assert arrive(t["d"], 668, 0.75) == P and resume() is None  # rung 666: n = 2
     t["g"] = start("g")
+    assert not asha.ended_sampling
     assert arrive(t["f"], 224, 0.65) == C      # n = 6, top 2 = d, f: f goes on
-    assert finished[0]                          # the first rung's 3: no trial comes after
+    assert finished[0] and asha.ended_sampling  # the first rung's 3: no trial comes after
     assert arrive(t["g"], 224, 0.90) == P      # top of 7, but the rung's share is used
     t["h"] = Trial("t", config={}, trial_id="h", stub=True)  # one Ray had queued before
     t["h"].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])

@@ -172,7 +172,7 @@ def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
                            "parent_run_id": "parent", "runs_view": None,
                            "ensemble_run_id": None}
     md = s.markdown()
-    assert "| 3 | 1 | 1 | 1 |" in md
+    assert "| 3 | 1 | 1 | 1 | 0 |" in md and "not sampled" not in md
     assert "| 1 | a | completed | 192 | 0.5200 | 0.260 |" in md
     assert "- d: TrialFailed: nan loss" in md and "- lr: 0.700" in md
     table = s.console_table().splitlines()
@@ -180,6 +180,22 @@ def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
     assert table[2].split()[8] == "0.6100"
     assert table[-1] == ("trials: 3 (1 completed, 1 stopped early by ASHA, 1 errored, "
                          "2 never started)")
+
+
+def test_trials_a_scheduler_made_unnecessary_are_not_needed_not_missing(tmp_path,
+                                                                         summary_inputs):
+    """Promoting ASHA finishes the searcher once its first rung's share is promoted: the
+    trials of num_samples never sampled are counted as not needed, not as never started
+    (which the driver warns of, and which keeps every checkpoint for a --resume)."""
+    records, ranking, dev_of, ensemble, report = summary_inputs
+    s = build_summary(_settings(tmp_path), records, ranking, dev_of, ensemble, report,
+                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False,
+                      ended_sampling=True)
+    c = s.counts
+    assert (c.trials, c.not_started, c.not_needed) == (3, 0, 2)
+    assert json.loads(s.to_json())["counts"]["not_needed"] == 2
+    assert "| 3 | 1 | 1 | 1 | 2 |" in s.markdown() and "not sampled" in s.markdown()
+    assert s.console_table().splitlines()[-1].endswith("1 errored, 2 not needed)")
 
 
 def test_interrupted_summary_and_public_paths(tmp_path, summary_inputs):

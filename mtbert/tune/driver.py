@@ -48,8 +48,8 @@ def run(settings: SearchSettings) -> int:
         print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
               f"{plan.gpus_per_trial:g} GPU ({plan.rule})", flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
-        grid, interrupted = fit(settings, data, tracker, max_concurrent)
-        return finish(settings, data, grid, tracker, parent_run, interrupted)
+        grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent)
+        return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling)
 
 
 def load_search_data(settings: SearchSettings):
@@ -119,7 +119,9 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
 
 
 def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int):
-    """``Tuner.fit()``; returns Ray's ResultGrid and whether Ctrl-C stopped it."""
+    """``Tuner.fit()``; returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
+    the scheduler ended the sampling (promoting ASHA, once its first rung's share is
+    promoted: the trials of ``num_samples`` left were not needed)."""
     from ray import tune
 
     from mtbert.tune.trainable import train_trial
@@ -134,16 +136,16 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
         {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
-    tuner = build_tuner(settings, trainable, [callback], max_concurrent)
+    tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent)
     with InterruptWatch() as watch:
         grid = tuner.fit()
     # Ray ends stopped and paused trials' workers before their clean-up runs
     work_folders.sweep(wait_s=5.0)
-    return grid, watch.interrupted
+    return grid, watch.interrupted, bool(getattr(scheduler, "ended_sampling", False))
 
 
 def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_run: str,
-           interrupted: bool) -> int:
+           interrupted: bool, ended_sampling: bool = False) -> int:
     """Rank the trials, ensemble the finalists, write the report and summary, log them."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
@@ -169,7 +171,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
                       runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
-                            interrupted)
+                            interrupted, ended_sampling)
 
     log_trial_results(tracker, records, settings.base, data, preds, dev_of)
     if ensemble is not None:
@@ -222,6 +224,10 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
         print(f"warning: {counts.not_started} of the {settings.num_samples} trials asked for "
               f"never ran (a trial suggested just before the driver died is lost from Ray's "
               f"snapshot); start another search for more", file=sys.stderr)
+    if counts.not_needed:
+        print(f"[tune] {counts.not_needed} of the {settings.num_samples} trials asked for were "
+              f"not needed: the scheduler ({settings.scheduler}) had promoted its first "
+              f"rung's share, and no trial started later could have been promoted")
     if summary.best_trial is None:
         print(f"error: no trial produced a checkpoint ({counts.errored} errored); see "
               f"{location.exp_dir / 'summary.md'}", file=sys.stderr)

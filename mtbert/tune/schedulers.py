@@ -161,6 +161,9 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
         self._widen: dict[str, float] = {}  # trial id -> CPUs to resume it with
+        # the searcher was finished here (first rung's share promoted): the trials of
+        # num_samples never sampled were not needed, not lost (the driver's summary says so)
+        self.ended_sampling = False
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
@@ -264,6 +267,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
         if self.promoted[0] and len(self.promoted[0]) >= self.quota[0]:
             tune_controller.search_alg.set_finished()
+            self.ended_sampling = True
         if all(len(p) >= q for p, q in zip(self.promoted, self.quota)):
             self._end_the_rest(tune_controller, trial, arriving)
         return trial

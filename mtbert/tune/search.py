@@ -245,7 +245,8 @@ def reuses_actors(scheduler: str, address: str | None) -> bool:
 
 
 def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
-    """A new Tuner for the search, or the restored one on ``--resume``."""
+    """(A new Tuner for the search, its scheduler), or (the restored one on ``--resume``,
+    None: Ray unpickles its own copy of the scheduler)."""
     from ray import tune
     location = settings.location
     param_space = settings.space.param_space()
@@ -253,7 +254,10 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
         print(f"[tune] resuming {location.ray_experiment} (Tuner.restore)", flush=True)
         return tune.Tuner.restore(location.ray_experiment, trainable=trainable,
                                   resume_unfinished=True, resume_errored=False,
-                                  param_space=param_space)
+                                  param_space=param_space), None
+    scheduler = build_scheduler(settings.scheduler, settings.budget, settings.space,
+                                RUNG_METRICS[settings.rung_metric], max_concurrent,
+                                settings.num_samples, last_leg_cpus(settings, max_concurrent))
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
@@ -265,10 +269,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples, settings.scheduler, settings.budget.grace_period,
                 RUNG_METRICS[settings.rung_metric]),
-            scheduler=build_scheduler(settings.scheduler, settings.budget, settings.space,
-                                      RUNG_METRICS[settings.rung_metric], max_concurrent,
-                                      settings.num_samples,
-                                      last_leg_cpus(settings, max_concurrent)),
+            scheduler=scheduler,
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
@@ -280,7 +281,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 num_to_keep=None if settings.scheduler in POPULATION_SCHEDULERS else 2,
                 checkpoint_score_attribute=OBJECTIVE, checkpoint_score_order=MODE),
             failure_config=tune.FailureConfig(max_failures=settings.max_failures),
-            callbacks=callbacks))
+            callbacks=callbacks)), scheduler
 
 
 class InterruptWatch:

@@ -32,15 +32,23 @@ class Counts:
     # trials asked for that never ran: not sampled yet when the search was interrupted
     # (--resume runs them), or lost to a driver crash (see the driver's warning)
     not_started: int
+    # trials asked for that the scheduler made unnecessary: promoting ASHA finishes the
+    # searcher once its first rung has promoted its share (none sampled later could be
+    # promoted); the search is complete without them
+    not_needed: int = 0
 
 
-def count_trials(records: list[TrialRecord], num_samples: int) -> Counts:
+def count_trials(records: list[TrialRecord], num_samples: int,
+                 ended_sampling: bool = False) -> Counts:
+    """``ended_sampling``: the scheduler finished the searcher (see ``Counts.not_needed``)."""
     by = [r.status for r in records]
+    left = max(0, num_samples - len(records))
     return Counts(trials=len(records), completed=by.count(TrialStatus.COMPLETED),
                   stopped_early=by.count(TrialStatus.STOPPED_EARLY),
                   errored=by.count(TrialStatus.ERROR),
                   interrupted=by.count(TrialStatus.INTERRUPTED),
-                  not_started=max(0, num_samples - len(records)))
+                  not_started=0 if ended_sampling else left,
+                  not_needed=left if ended_sampling else 0)
 
 
 @dataclass(frozen=True)
@@ -174,13 +182,14 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord],
                   dev_of: dict[str, dict[str, float]], ensemble, report: dict[str, Any],
-                  mlflow: MlflowRefs, interrupted: bool) -> SearchSummary:
+                  mlflow: MlflowRefs, interrupted: bool,
+                  ended_sampling: bool = False) -> SearchSummary:
     """The summary of a finished (or interrupted) search; ``ensemble`` is an
     :class:`~mtbert.tune.finalists.EnsembleResult` or None; ``report`` is what
     :func:`~mtbert.tune.report.write_report` returned."""
     exp_dir = settings.location.exp_dir
     searched_keys = list(settings.space.searched)
-    counts = count_trials(records, settings.num_samples)
+    counts = count_trials(records, settings.num_samples, ended_sampling)
 
     def searched(r: TrialRecord) -> dict[str, Any]:
         return {k: r.config[k] for k in searched_keys if k in r.config}
@@ -250,9 +259,14 @@ def _markdown(s: SearchSummary) -> str:
         r = s.resources
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "
                   f"{r['gpus_per_trial']:g} GPU ({r['rule']}).", ""]
-    lines += ["| trials | completed | stopped early (ASHA) | errored |",
-             "| --- | --- | --- | --- |",
-             f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} |", ""]
+    lines += ["| trials | completed | stopped early (ASHA) | errored | not needed |",
+             "| --- | --- | --- | --- | --- |",
+             f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} | "
+             f"{c.not_needed} |", ""]
+    if c.not_needed:
+        lines += [f"{c.not_needed} of the trials asked for were not sampled: the scheduler "
+                  "had promoted its first rung's share, and no trial started later could "
+                  "have been promoted.", ""]
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, t in enumerate(s.top_trials, 1):
@@ -319,6 +333,8 @@ def _console_table(s: SearchSummary) -> str:
     tail = f", {c.interrupted} interrupted before the end" if c.interrupted else ""
     if c.not_started:
         tail += f", {c.not_started} never started"
+    if c.not_needed:
+        tail += f", {c.not_needed} not needed"
     lines.append(f"trials: {c.trials} ({c.completed} completed, {c.stopped_early} "
                  f"stopped early by ASHA, {c.errored} errored{tail})")
     return "\n".join(lines)
