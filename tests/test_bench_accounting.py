@@ -241,3 +241,21 @@ def test_quality_threshold_maximises_accuracy_and_table_marks_missing_cells():
     row = {"overall": 0.5, "sst_acc": 0.25, "qqp_acc": 0.75, "sts_corr": 0.125}
     text = q.table([("x", None, row)])
     assert text.splitlines()[-1] == "| x | – | – | – | – | 0.500 | 0.250 | 0.750 | 0.125 |"
+
+
+def test_step_shapes_splits_first_of_a_shape_steps_from_repeats(tiny_model_dir,
+                                                               tiny_data_dir, capsys):
+    """bench/step_shapes.py on the tiny model (CPU, eager): every step lands in exactly one
+    of 'first step of its shapes' / 'shapes met before', one per distinct shape."""
+    shapes = load("step_shapes")
+    log = shapes.StepLog()
+    assert log.add((("sst", ((4, 16),)),), 2.0, 4) and not log.add((("sst", ((4, 16),)),),
+                                                                   0.5, 4)
+    assert log.add((("sst", ((3, 16),)),), 1.0, 3)  # a partial batch is a new shape
+    s = log.summary()
+    assert (s["shapes"], s["steps"], s["repeat_steps"], s["first_of_shape_s"]) == (2, 3, 1, 3.0)
+    assert s["repeat_examples_per_s"] == 8.0
+    out = shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
+                       "--batch-size", "4", "--threads", "1", "--seconds", "3"])
+    assert out["shapes"] >= 1 and out["steps"] == out["shapes"] + out["repeat_steps"]
+    assert "steps on shapes met" in capsys.readouterr().out

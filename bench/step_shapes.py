@@ -1,0 +1,125 @@
+"""What each batch shape costs a trainer step: ``python bench/step_shapes.py``.
+
+Runs the real trainer's schedule (``Trainer._next_batches`` + ``_train_batches``) step by
+step for ``--seconds`` and times every step with its batch shapes (task, rows, padded
+length).  A step on a shape not met before pays the shape's one-off costs: cuDNN /
+attention plans in eager mode, compilation and graph capture under ``--compile``.  It
+prints the steps that met a new shape (and every 50th), then a summary: distinct shapes,
+the time spent on first-of-a-shape steps, and the median step and examples/s on shapes
+already met.  This is how the H100's ``compile=reduce-overhead`` was found to cost
+18-27 s per new shape (README, "On one H100").
+
+    python bench/step_shapes.py --device cuda --compile reduce-overhead --seconds 110
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtbert.config import TrainConfig  # noqa: E402
+from mtbert.data import load_data  # noqa: E402
+from mtbert.trainer import Trainer  # noqa: E402
+
+
+def batch_shapes(batches: dict[str, dict[str, torch.Tensor]]) -> tuple:
+    """(task, (rows, padded length), ...) of one step's batches: every 2-D input's shape."""
+    return tuple((task, tuple(sorted({tuple(v.shape) for v in batch.values()
+                                       if torch.is_tensor(v) and v.dim() == 2})))
+                 for task, batch in sorted(batches.items()))
+
+
+@dataclass
+class StepLog:
+    """Step times split by whether the step's shapes were new."""
+    seen: set = field(default_factory=set)
+    first: list[float] = field(default_factory=list)   # seconds, first step of a shape
+    repeat: list[float] = field(default_factory=list)  # seconds, shapes already met
+    repeat_examples: int = 0
+
+    def add(self, shapes: tuple, seconds: float, examples: int) -> bool:
+        new = shapes not in self.seen
+        self.seen.add(shapes)
+        if new:
+            self.first.append(seconds)
+        else:
+            self.repeat.append(seconds)
+            self.repeat_examples += examples
+        return new
+
+    def summary(self) -> dict:
+        return {"shapes": len(self.seen), "steps": len(self.first) + len(self.repeat),
+                "first_of_shape_s": sum(self.first),
+                "first_of_shape_median_ms": 1000 * statistics.median(self.first)
+                if self.first else None,
+                "repeat_steps": len(self.repeat),
+                "repeat_median_ms": 1000 * statistics.median(self.repeat)
+                if self.repeat else None,
+                "repeat_examples_per_s": self.repeat_examples / sum(self.repeat)
+                if self.repeat else None}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    cfg = TrainConfig.from_dict(dict(
+        model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
+        device=args.device, threads=args.threads, progress=False, eval_dev=False,
+        pad_lengths=args.pad_lengths, compile=args.compile))
+    trainer = Trainer(cfg, load_data(cfg), Path(tempfile.mkdtemp(prefix="mtbert-shapes-")),
+                      checkpoints=False)
+    device = trainer.device
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
+    log, started = StepLog(), time.perf_counter()
+    for i, group in enumerate(plan):
+        batches = trainer._next_batches(group)
+        shapes = batch_shapes(batches)
+        sync()
+        t = time.perf_counter()
+        trainer._train_batches(batches)
+        sync()
+        seconds = time.perf_counter() - t
+        new = log.add(shapes, seconds, sum(len(b["labels"]) for b in batches.values()))
+        if new or i % 50 == 0:
+            print(f"step {i:5d} +{time.perf_counter() - started:7.1f}s "
+                  f"{'new' if new else 'met'} {1000 * seconds:9.1f} ms  {shapes}", flush=True)
+        if time.perf_counter() - started > args.seconds:
+            break
+    out = log.summary()
+    print(f"{args.device}, compile={args.compile}, pad_lengths={args.pad_lengths}: "
+          f"{out['steps']} steps, {out['shapes']} shapes; first-of-a-shape steps "
+          f"{out['first_of_shape_s']:.1f} s in all (median {out['first_of_shape_median_ms']:.0f} "
+          f"ms); steps on shapes met: {out['repeat_steps']}, median "
+          f"{out['repeat_median_ms'] or 0:.1f} ms, {out['repeat_examples_per_s'] or 0:.0f} ex/s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--model", default=TrainConfig().model)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
+    p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=60.0, help="stop after this long")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
