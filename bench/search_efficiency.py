@@ -155,7 +155,9 @@ def _default_method() -> str:
 DEFAULT_METHOD = _default_method()
 #: settings a run kept in runs.json must share with this call to be compared
 SAME = ("full_examples", "train_rows", "eval_rows", "workers", "lr", "batch_size",
-        "warmup_examples", "trials", "model")
+        "warmup_examples", "trials", "model", "gpus_per_trial")
+#: what a runs.json written before a setting existed ran with
+SAME_DEFAULTS = {"gpus_per_trial": 0.0}
 #: the spaces the automatic searches sample (the driver's YAML format), both over the
 #: grid's ranges: ``ranges`` continuous; ``steps`` dropout in steps of 0.05 (half the
 #: grid's spacing) and whole lambda_s -- 9 x 5 = 45 configurations, the grid's 10 among
@@ -215,7 +217,9 @@ def search_setup(name: str, args, seed: int):
         num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
                                                  RUNG_METRICS[method.rung_metric],
                                                  args.workers, n,
-                                                 args.workers if method.last_leg else 0),
+                                                 # (GPU trials keep theirs, as in the driver)
+                                                 args.workers if method.last_leg
+                                                 and not args.gpus_per_trial else 0),
         search_alg=searcher), budget
 
 
@@ -233,7 +237,8 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     # PBT restores a trial from another's checkpoint some time after choosing it: all kept
     keep = None if METHODS[name].scheduler in POPULATION_SCHEDULERS else 1
     trainable = tune.with_resources(
-        tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
+        tune.with_parameters(train_trial, data=data, base=trial_base),
+        {"cpu": 1, "gpu": args.gpus_per_trial})
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
@@ -585,6 +590,10 @@ def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argume
     p.add_argument("--warmup-examples", type=int, default=96,
                    help="LR warm-up (wsd schedule), before ASHA's first rung (full / 9)")
     p.add_argument("--workers", type=int, default=2, help="trials at once (1 CPU each)")
+    p.add_argument("--gpus-per-trial", type=float, default=0.0,
+                   help="each trial's share of a GPU (0 = train on the CPU); on one GPU, "
+                        "e.g. --gpus-per-trial 0.125 --workers 8, and the driver's full "
+                        "budget: --full-examples 75846 --train-rows 0 --eval-rows 0")
     p.add_argument("--methods", default=",".join(k for k, m in METHODS.items()
                                                  if not m.superseded))
     p.add_argument("--seeds", default="0,1,2")
@@ -614,6 +623,13 @@ def parse_args(argv, p: argparse.ArgumentParser | None = None):
         args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         p.error(f"--seeds {args.seeds}: expected integers separated by commas")
+    if not 0 <= args.gpus_per_trial <= 1:
+        p.error(f"--gpus-per-trial {args.gpus_per_trial}: expected a share of one GPU, 0 to 1")
+    if args.gpus_per_trial and not args.report_only:
+        import torch
+        if not torch.cuda.is_available():
+            p.error(f"--gpus-per-trial {args.gpus_per_trial}: this machine has no CUDA GPU "
+                    "(torch.cuda.is_available() is False); use 0 to train on the CPU")
     if args.full_examples < 9 or args.warmup_examples >= args.full_examples // 9:
         p.error("--warmup-examples must end before ASHA's first rung (--full-examples / 9)")
     return p, args
@@ -623,7 +639,7 @@ def load_runs(path: Path, args, p) -> dict[str, dict[int, dict]]:
     if not path.is_file():
         return {}
     kept = json.loads(path.read_text(encoding="utf-8"))
-    differ = [k for k in SAME if kept["args"].get(k) != getattr(args, k)]
+    differ = [k for k in SAME if kept["args"].get(k, SAME_DEFAULTS.get(k)) != getattr(args, k)]
     if differ:
         p.error(f"{path}: its runs used other settings ({', '.join(differ)}); "
                 "pass another --out")
@@ -654,7 +670,8 @@ def bench_base(args) -> dict:
             "cache_dir": str(default_cache_dir("").resolve()),
             "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,
             "lr": args.lr, "batch_size": args.batch_size,
-            "progress": False, "eval_dev": False, "threads": 1, "device": "cpu"}
+            "progress": False, "eval_dev": False, "threads": 1,
+            "device": "cuda" if args.gpus_per_trial else "cpu"}
 
 
 def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
@@ -670,7 +687,9 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
     print(f"[bench] training rows {data.train_sizes()}; one full training = "
           f"{args.full_examples} examples; {args.workers} workers; seeds {args.seed_list}",
           flush=True)
-    cluster.start_local_ray(num_cpus=args.workers)
+    # (GPUs: Ray counts the machine's; trials share them by --gpus-per-trial)
+    cluster.start_local_ray(num_cpus=args.workers,
+                            **({} if args.gpus_per_trial else {"num_gpus": 0}))
     try:
         for seed in args.seed_list:
             for name in args.method_list:

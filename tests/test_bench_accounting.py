@@ -259,3 +259,25 @@ def test_step_shapes_splits_first_of_a_shape_steps_from_repeats(tiny_model_dir,
                        "--batch-size", "4", "--threads", "1", "--seconds", "3"])
     assert out["shapes"] >= 1 and out["steps"] == out["shapes"] + out["repeat_steps"]
     assert "steps on shapes met" in capsys.readouterr().out
+
+
+def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path, capsys):
+    """--gpus-per-trial: a share of one GPU, refused where torch sees no CUDA GPU; a
+    runs.json from before the option (CPU runs) is reused on the CPU only."""
+    import torch
+    with pytest.raises(SystemExit):
+        se.parse_args(["--gpus-per-trial", "2"])
+    assert "expected a share of one GPU" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            se.parse_args(["--gpus-per-trial", "0.125", "--workers", "8"])
+        assert "no CUDA GPU" in capsys.readouterr().err
+    p, args = se.parse_args([])
+    old = {k: getattr(args, k) for k in se.SAME if k != "gpus_per_trial"}
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps({"args": old, "runs": {"grid": {"0": {"wall_s": 1.0}}}}))
+    assert se.load_runs(runs, args, p) == {"grid": {0: {"wall_s": 1.0}}}
+    p, gpu_args = se.parse_args(["--gpus-per-trial", "0.125", "--report-only"])
+    with pytest.raises(SystemExit):
+        se.load_runs(runs, gpu_args, p)
+    assert "gpus_per_trial" in capsys.readouterr().err
