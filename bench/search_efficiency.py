@@ -279,15 +279,16 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     if best is not None:
         run["selected"] = {"trial": best[0]["trial"], "config": best[0]["config"],
                            "val": best[0]["best_val"], "val_se": best[0]["best_val_se"],
-                           **dev_score(best[1], data)}
+                           **dev_score(best[1], data,
+                                       "cuda" if args.gpus_per_trial else "cpu")}
     return run
 
 
-def dev_score(checkpoint_dir: str, data) -> dict:
+def dev_score(checkpoint_dir: str, data, device: str = "cpu") -> dict:
     """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
     from mtbert.trainer import as_label
     from mtbert.tune.finalists import predict_member, score_split
-    preds = predict_member(checkpoint_dir, data, splits=("dev",))["dev"]
+    preds = predict_member(checkpoint_dir, data, device, splits=("dev",))["dev"]
     m = score_split(data, "dev", {t: as_label(t, p) for t, p in preds.items()})
     return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
 
