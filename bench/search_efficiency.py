@@ -74,6 +74,7 @@ class Method:
     # asha-promote: its last promotion resumes with every worker's CPU, as the driver's
     # does on one machine (mtbert.tune.search.build_tuner)
     last_leg: bool = False
+    trials: int = 0  # configurations it samples (0: --trials)
 
 
 #: what asha-promote changed after the runs labelled with it
@@ -129,6 +130,15 @@ METHODS = {
                                     superseded="a fill_places option, measured and removed"),
     "asha_tpe_late": Method("ASHA (rungs full/3, full) + mv TPE", "asha", "optuna-mv",
                             first_rung=3),
+    # promoting ASHA deciding once, at full/3 (where dropout shows), among fewer trials:
+    # 6 -> 2 finalists (6 x 666 + 2 x 1,334 = 6,664 examples, a third of the grid's), or
+    # 5 -> 1 (4,664) trained on with both workers' CPUs
+    "asha_promote_soft_late6": Method("promoting ASHA at full/3 only, 6 trials -> 2",
+                                      "asha-promote", "optuna", first_rung=3,
+                                      rung_metric="overall_soft", last_leg=True, trials=6),
+    "asha_promote_soft_late5": Method("promoting ASHA at full/3 only, 5 trials -> 1",
+                                      "asha-promote", "optuna", first_rung=3,
+                                      rung_metric="overall_soft", last_leg=True, trials=5),
     # the default pair on the same ranges in steps (SPACES["steps"])
     "asha_tpe_indep_steps": Method("ASHA + independent TPE, stepped space", "asha", "optuna",
                                    space="steps"),
@@ -188,7 +198,7 @@ def bench_budget(args, method: Method):
                   eval_every=every, eval_growth=3 if every == grace else 1, grace_period=grace,
                   reduction_factor=3, warmup_examples=args.warmup_examples,
                   max_train_per_task=args.train_rows, max_eval_per_task=args.eval_rows,
-                  num_samples=args.trials, ensemble_top_k=1)
+                  num_samples=method.trials or args.trials, ensemble_top_k=1)
 
 
 def search_setup(name: str, args, seed: int):
@@ -207,7 +217,7 @@ def search_setup(name: str, args, seed: int):
                           search_alg=build_searcher("random", seed, args.workers, 1)), budget
     population = method.scheduler in POPULATION_SCHEDULERS
     n = {"fifo": len(DROPOUTS) * len(LAMBDAS)}.get(
-        method.scheduler, args.population if population else args.trials)
+        method.scheduler, args.population if population else method.trials or args.trials)
     # PBT: every trial of the population is in the searcher's hands (Ray's resources
     # bound how many train at once), as the driver does
     searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n,

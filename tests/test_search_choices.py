@@ -110,6 +110,8 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     # the 4th, if never sampled, was not needed (the driver warns of no lost trial)
     counts = search["summary"]["counts"]
     assert (counts["not_started"], counts["not_needed"]) == (0, 4 - len(trials))
+    parent = next(r for r in search["runs"] if r.data.tags.get("kind") == "search")
+    assert parent.data.metrics["trials_not_needed"] == 4 - len(trials)
     completed = [t for t in trials if t["status"] == "completed"]
     assert len(completed) == 1 and completed[0]["examples_seen"] >= 192
     stopped = [t for t in trials if t["status"] == "stopped_early"]
