@@ -289,8 +289,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     if best is not None:
         run["selected"] = {"trial": best[0]["trial"], "config": best[0]["config"],
                            "val": best[0]["best_val"], "val_se": best[0]["best_val_se"],
-                           **dev_score(best[1], data,
-                                       "cuda" if args.gpus_per_trial else "cpu")}
+                           **dev_score(best[1], data, base["device"])}
     return run
 
 

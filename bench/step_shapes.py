@@ -26,10 +26,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # its sibling throughput.py, also when loaded by path
 
 from mtbert.config import TrainConfig  # noqa: E402
 from mtbert.data import load_data  # noqa: E402
 from mtbert.trainer import Trainer  # noqa: E402
+from throughput import synchronize  # noqa: E402
 
 
 def batch_shapes(batches: dict[str, dict[str, torch.Tensor]]) -> tuple:
@@ -78,20 +80,15 @@ def run(args) -> dict:
     trainer = Trainer(cfg, load_data(cfg), Path(tempfile.mkdtemp(prefix="mtbert-shapes-")),
                       checkpoints=False)
     device = trainer.device
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
     log, started = StepLog(), time.perf_counter()
     for i, group in enumerate(plan):
         batches = trainer._next_batches(group)
         shapes = batch_shapes(batches)
-        sync()
+        synchronize(device)
         t = time.perf_counter()
         trainer._train_batches(batches)
-        sync()
+        synchronize(device)
         seconds = time.perf_counter() - t
         new = log.add(shapes, seconds, sum(len(b["labels"]) for b in batches.values()))
         if new or i % 50 == 0:

@@ -29,7 +29,7 @@ from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
-from mtbert.tune.summary import MlflowRefs, SearchSummary, build_summary
+from mtbert.tune.summary import NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker
 
 
@@ -226,8 +226,7 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
               f"snapshot); start another search for more", file=sys.stderr)
     if counts.not_needed:
         print(f"[tune] {counts.not_needed} of the {settings.num_samples} trials asked for were "
-              f"not needed: the scheduler ({settings.scheduler}) had promoted its first "
-              f"rung's share, and no trial started later could have been promoted")
+              f"not needed ({settings.scheduler}): {NOT_NEEDED_REASON}")
     if summary.best_trial is None:
         print(f"error: no trial produced a checkpoint ({counts.errored} errored); see "
               f"{location.exp_dir / 'summary.md'}", file=sys.stderr)

@@ -161,9 +161,6 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
         self._widen: dict[str, float] = {}  # trial id -> CPUs to resume it with
-        # the searcher was finished here (first rung's share promoted): the trials of
-        # num_samples never sampled were not needed, not lost (the driver's summary says so)
-        self.ended_sampling = False
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
@@ -265,12 +262,18 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         self.promoted[k].add(trial.trial_id)
         if trial.status != trial.RUNNING:
             tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
-        if self.promoted[0] and len(self.promoted[0]) >= self.quota[0]:
+        if self.ended_sampling:
             tune_controller.search_alg.set_finished()
-            self.ended_sampling = True
         if all(len(p) >= q for p, q in zip(self.promoted, self.quota)):
             self._end_the_rest(tune_controller, trial, arriving)
         return trial
+
+    @property
+    def ended_sampling(self) -> bool:
+        """The first rung has promoted its share, so the searcher is finished: the trials
+        of num_samples never sampled were not needed, not lost (the driver's summary)."""
+        return bool(self.promoted and self.promoted[0]
+                    and len(self.promoted[0]) >= self.quota[0])
 
     def _resumed(self, trial):
         """``trial``, about to resume, with the CPUs of the last promotion if it is that."""

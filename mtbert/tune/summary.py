@@ -38,6 +38,11 @@ class Counts:
     not_needed: int = 0
 
 
+#: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
+NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share, and no trial "
+                     "started later could have been promoted")
+
+
 def count_trials(records: list[TrialRecord], num_samples: int,
                  ended_sampling: bool = False) -> Counts:
     """``ended_sampling``: the scheduler finished the searcher (see ``Counts.not_needed``)."""
@@ -264,9 +269,8 @@ def _markdown(s: SearchSummary) -> str:
              f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} | "
              f"{c.not_needed} |", ""]
     if c.not_needed:
-        lines += [f"{c.not_needed} of the trials asked for were not sampled: the scheduler "
-                  "had promoted its first rung's share, and no trial started later could "
-                  "have been promoted.", ""]
+        lines += [f"{c.not_needed} of the trials asked for were not sampled: "
+                  f"{NOT_NEEDED_REASON}.", ""]
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, t in enumerate(s.top_trials, 1):
