@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS  # noqa: E402
+from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS, rung_metric_keys  # noqa: E402
 
 SOFT = RUNG_METRICS["overall_soft"]
 
@@ -67,7 +67,7 @@ class Method:
     searcher: str    # a --search-alg of the driver (grid: Ray's grid search)
     first_rung: int = 9  # ASHA / BOHB: the first rung at full / this (rungs x3 from there)
     space: str = "ranges"  # a key of SPACES: what the automatic searches sample
-    rung_metric: str = "overall"  # a --rung-metric of the driver (records.RUNG_METRICS)
+    rung_metric: str = "overall"  # a --rung-metric of the driver (records.rung_metric_keys)
     # measured with driver code that has changed since (named here): its runs are kept as
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
@@ -122,6 +122,13 @@ METHODS = {
     "asha_promote_soft_last": Method("promoting ASHA on overall_soft + independent TPE, "
                                      "last leg on both CPUs", "asha-promote", "optuna",
                                      rung_metric="overall_soft", last_leg=True),
+    # the first rung on classes_soft (SST and QQP gold-class probabilities rank the grid's
+    # configurations as their full trainings do at 224 examples, rho 0.95-0.98; STS r is
+    # noise there), the second on overall_soft (STS r carries signal at 672: rho 0.65-0.88)
+    "asha_promote_staged_last": Method("promoting ASHA on classes_soft, then overall_soft "
+                                       "+ independent TPE, last leg on both CPUs",
+                                       "asha-promote", "optuna",
+                                       rung_metric="classes_soft,overall_soft", last_leg=True),
     # the same, the last promotion filling both places (the rung's two best trained on,
     # 1 CPU each): measured, then the option was removed (README)
     "asha_promote_cls_fill": Method("promoting ASHA on classes_soft + independent TPE, "
@@ -153,11 +160,12 @@ METHODS = {
 
 
 def _default_method() -> str:
-    from mtbert.tune.records import DEFAULT_RUNG_METRIC
+    from mtbert.tune.records import default_rung_metric
     from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER
     return next(k for k, m in METHODS.items()
                 if (m.scheduler, m.searcher, m.first_rung, m.space, m.rung_metric) == (
-                    DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges", DEFAULT_RUNG_METRIC)
+                    DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges",
+                    default_rung_metric(DEFAULT_SCHEDULER))
                 and not m.superseded)
 
 
@@ -222,10 +230,10 @@ def search_setup(name: str, args, seed: int):
     # bound how many train at once), as the driver does
     searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n,
                               method.scheduler, budget.grace_period,
-                              RUNG_METRICS[method.rung_metric])
+                              rung_metric_keys(method.rung_metric))
     return space.param_space(), dict(
         num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
-                                                 RUNG_METRICS[method.rung_metric],
+                                                 rung_metric_keys(method.rung_metric),
                                                  args.workers, n,
                                                  # (GPU trials keep theirs, as in the driver)
                                                  args.workers if method.last_leg
@@ -617,6 +625,10 @@ def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argume
                         "(a failed run's are kept)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the figures of the runs kept in OUT/runs.json")
+    p.add_argument("--carry-figures", metavar="JSON",
+                   help="a search_efficiency.json written earlier (e.g. docs/'s): the figures "
+                        "of its methods that OUT/runs.json lacks (runs of an earlier machine, "
+                        "not kept) are written and ranked beside the runs', marked carried")
     return p
 
 
@@ -725,13 +737,42 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
     return runs
 
 
+def carried_figures(path: str | None, runs: dict, settings: dict) -> dict:
+    """From an earlier search_efficiency.json: the summaries and first-rung figures of the
+    methods ``runs`` lacks, each marked ``carried`` (measured against that file's grid
+    runs: the trainings are deterministic on the CPU, their scores the same to the last
+    digit, their times the yardstick of that day).  Its settings must be these."""
+    if not path:
+        return {}
+    try:
+        kept = json.loads(Path(path).read_text(encoding="utf-8"))
+        differ = [k for k in SAME if kept["settings"].get(k, SAME_DEFAULTS.get(k))
+                  != settings[k]]
+        methods = kept["methods"]
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise SystemExit(f"error: --carry-figures {path}: not a search_efficiency.json "
+                         f"({exc})") from None
+    if differ:
+        raise SystemExit(f"error: --carry-figures {path}: measured with other settings "
+                         f"({', '.join(differ)})")
+    return {name: {"summary": {**s, "carried": True},
+                   "first_rung": kept.get("first_rung", {}).get(name, {}),
+                   "commands": kept.get("commands", [])}
+            for name, s in methods.items() if name in METHODS and name not in runs}
+
+
 def write_figures(args, runs: dict, docs: Path) -> None:
     runs = {m: runs[m] for m in METHODS if m in runs}
-    summary = summarise(runs)
+    carried = carried_figures(getattr(args, "carry_figures", None), runs,
+                              {k: getattr(args, k) for k in SAME})
+    measured = summarise(runs)
+    summary = {m: measured[m] if m in measured else carried[m]["summary"]
+               for m in METHODS if m in measured or m in carried}
     print_table(summary)
     analysis = grid_analysis(runs.get("grid", {}))
     first_rungs = {name: {seed: first_rung_spread(run) for seed, run in sorted(by_seed.items())}
                    for name, by_seed in runs.items() if name != "grid"}
+    first_rungs.update({name: c["first_rung"] for name, c in carried.items()})
     if analysis:
         rhos = ", ".join(f"{r['rho']:.2f}" for r in analysis["spearman_between_seeds"])
         by_d = ", ".join(f"{d}: {v:.3f}" for d, v in analysis["mean_val_by_dropout"].items())
@@ -762,7 +803,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     default = summary.get(DEFAULT_METHOD, {})
     result = {
         "commands": sorted({r.get("command", "?") for by_seed in runs.values()
-                            for r in by_seed.values()}),
+                            for r in by_seed.values()}
+                           | {cmd for c in carried.values() for cmd in c["commands"]}),
+        "carried": sorted(carried),  # figures from --carry-figures, not from runs.json
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine()},
         "settings": {k: getattr(args, k) for k in SAME},

@@ -146,6 +146,13 @@ CASES = [
     Case("cli_model_truncated_weights", ["model.safetensors"],
          model=lambda m: (m / "model.safetensors").write_bytes(
              (m / "model.safetensors").read_bytes()[:5000])),
+    Case("cli_rung_metric_unknown", ["argument --rung-metric: unknown 'overall_sofft'; "
+                                     "expected one of overall, overall_soft, classes_soft"],
+         args=["--rung-metric", "classes_soft,overall_sofft"]),
+    Case("cli_rung_metric_per_rung_with_ray_asha",
+         ["--rung-metric classes_soft,overall_soft: one metric per rung needs --scheduler "
+          "asha-promote, got --scheduler asha"],
+         args=["--rung-metric", "classes_soft,overall_soft", "--scheduler", "asha"]),
     Case("cli_gpus_nan", ["argument --gpus-per-trial: 'nan' is not a finite number"],
          args=["--gpus-per-trial", "nan"]),
     Case("cli_cpus_inf", ["argument --cpus-per-trial: 'inf' is not a finite number"],

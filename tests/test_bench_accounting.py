@@ -170,7 +170,7 @@ def test_bench_budget_puts_the_rungs_where_the_method_says(se):
     for population in ("pbt", "pb2"):  # compared every full / 6, no growth
         budget = se.bench_budget(args, se.METHODS[population])
         assert (budget.eval_every, budget.eval_growth) == (333, 1)
-    assert se.DEFAULT_METHOD == "asha_promote_soft_last"  # the driver's pair and rung metric
+    assert se.DEFAULT_METHOD == "asha_promote_staged_last"  # the driver's pair and rung metric
 
 
 def test_first_rung_spread(se):
@@ -281,3 +281,28 @@ def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path,
     with pytest.raises(SystemExit):
         se.load_runs(runs, gpu_args, p)
     assert "gpus_per_trial" in capsys.readouterr().err
+
+
+def test_carried_figures_fill_in_methods_the_runs_lack(se, tmp_path):
+    """--carry-figures: an earlier search_efficiency.json's methods that runs.json lacks
+    are kept (marked carried) and ranked beside the runs'; a method re-run is the run's;
+    a file of other settings, or no such file, is refused."""
+    _, args = se.parse_args(["--report-only"])
+    settings = {k: getattr(args, k) for k in se.SAME}
+    earlier = {"settings": settings, "commands": ["python bench/search_efficiency.py x"],
+               "methods": {"bohb": {"label": "B", "seeds": [0, 1, 2]},
+                           "pbt": {"label": "P", "seeds": [0, 1, 2]},
+                           "gone": {"label": "not a method any more"}},
+               "first_rung": {"bohb": {"0": {"examples": 224, "spread": 0.01}}}}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    carried = se.carried_figures(str(path), {"pbt": {0: {}}}, settings)
+    assert sorted(carried) == ["bohb"]  # pbt was re-run; "gone" is no method
+    assert carried["bohb"]["summary"] == {"label": "B", "seeds": [0, 1, 2], "carried": True}
+    assert carried["bohb"]["first_rung"] == {"0": {"examples": 224, "spread": 0.01}}
+    assert se.carried_figures(None, {}, settings) == {}
+    path.write_text(json.dumps({**earlier, "settings": {**settings, "lr": 1.0}}))
+    with pytest.raises(SystemExit, match="measured with other settings \\(lr\\)"):
+        se.carried_figures(str(path), {}, settings)
+    with pytest.raises(SystemExit, match="not a search_efficiency.json"):
+        se.carried_figures(str(tmp_path / "missing.json"), {}, settings)

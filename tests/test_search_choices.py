@@ -102,10 +102,12 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
     reached it, which ends the sampling (a 4th, if Ray had started it, is stopped before
     the rung) and trains the whole budget, with both places' CPUs unless a trial stopped
     then was still queued (schedulers.PromotingASHA._end_the_rest); the rest are stopped
-    at the rung.  The one promoted beat >= 2 others at the rung."""
+    at the rung.  The one promoted beat >= 2 others at the rung on its metric: with
+    --rung-metric left out, the first rung's of classes_soft,overall_soft."""
     search = run_search("promote", "--scheduler", "asha-promote", trials=4)
     trials = search["summary"]["trials"]
     _assert_recorded(search, "asha-promote", "optuna", len(trials))
+    assert search["summary"]["rung_metric"] == "val/classes_soft,val/overall_soft"
     assert len(trials) in (3, 4)
     # the 4th, if never sampled, was not needed (the driver warns of no lost trial)
     counts = search["summary"]["counts"]
@@ -124,7 +126,7 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
             unreported += 1
             continue
         if (df["examples_seen"] >= 48).any():
-            at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/overall_soft"]
+            at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/classes_soft"]
         threads[trial_id] = df.set_index("examples_seen")["train/threads"].to_dict()
     winner = completed[0]["trial_id"]
     assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2
@@ -301,15 +303,20 @@ def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model
 
 def test_rung_metric_default_and_resume_of_a_search_saved_before_it(tmp_path, tiny_model_dir,
                                                                    tiny_data_dir):
-    """The default rung metric is overall_soft; --resume of a search whose saved settings
-    predate --rung-metric decides (and says it decides) on the objective, as it did; a
-    saved rung metric is kept."""
+    """The default rung metric is classes_soft,overall_soft under the default scheduler
+    (asha-promote), overall_soft under the others; --resume of a search whose saved
+    settings predate --rung-metric decides (and says it decides) on the objective, as it
+    did; a saved rung metric is kept."""
     from mtbert.tune.cli import build_parser
     from mtbert.tune.settings import SETTINGS_FILE, resolve_settings
     argv = ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir, "--data-dir",
             tiny_data_dir, "--storage-path", str(tmp_path / "out"), "--experiment", "old"]
     settings = resolve_settings(build_parser().parse_args(argv))
-    assert settings.rung_metric == "overall_soft"
+    assert (settings.scheduler, settings.rung_metric) == ("asha-promote",
+                                                          "classes_soft,overall_soft")
+    for scheduler in ("asha", "bohb", "pbt"):
+        assert resolve_settings(build_parser().parse_args(
+            [*argv, "--scheduler", scheduler])).rung_metric == "overall_soft"
     saved = settings.saved()
     exp = tmp_path / "out" / "old"
     exp.mkdir(parents=True)
@@ -379,26 +386,84 @@ class _Controller:
         trial.set_status(trial.TERMINATED)
 
 
-def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0):
+def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
+                           rung_metric: str = "overall_soft"):
     """PromotingASHA on a 2,000-example budget, rungs 222 / 666 / 1,998 (rf 3), deciding on
-    overall_soft, 2 workers, with the driver's searcher and a fake controller."""
+    ``rung_metric`` (a --rung-metric), 2 workers, with the driver's searcher and a fake
+    controller; the last value returned is the first rung's metric."""
     from mtbert.tune.budgets import Budget
-    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.records import rung_metric_keys
     from mtbert.tune.search import build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["overall_soft"]
+    metrics = rung_metric_keys(rung_metric)
+    soft = metrics[0]
     budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
                     grace_period=222, reduction_factor=3, warmup_examples=96,
                     max_train_per_task=0, max_eval_per_task=0, num_samples=num_samples,
                     ensemble_top_k=1)
-    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
+    asha = build_scheduler("asha-promote", budget, rung_metric=metrics, workers=2,
                            num_samples=num_samples, last_leg_cpus=last_leg_cpus)
     space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
                         "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, num_samples, "asha-promote", 222, soft)
+    limiter = build_searcher("optuna", 0, 2, num_samples, "asha-promote", 222, metrics)
     limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
     finished = [False]
     return asha, limiter, _Controller(limiter, finished), finished, soft
+
+
+def test_rung_metric_names_one_metric_or_one_per_rung():
+    from mtbert.errors import ConfigError
+    from mtbert.tune.records import rung_metric_keys, rung_metric_label
+    assert rung_metric_keys("overall") == (OBJECTIVE,)
+    assert rung_metric_keys("classes_soft, overall_soft") == ("val/classes_soft",
+                                                             "val/overall_soft")
+    assert rung_metric_label("classes_soft,overall_soft") == "val/classes_soft,val/overall_soft"
+    with pytest.raises(ConfigError, match="--rung-metric overall,sts: unknown 'sts'"):
+        rung_metric_keys("overall,sts")
+    with pytest.raises(ConfigError, match="one metric per rung needs --scheduler asha-promote"):
+        from mtbert.tune.budgets import get_budget
+        from mtbert.tune.search import build_scheduler
+        build_scheduler("bohb", get_budget("smoke"), rung_metric=rung_metric_keys(
+            "classes_soft,overall_soft"))
+
+
+def test_promoting_asha_decides_each_rung_on_its_own_metric():
+    """--rung-metric classes_soft,overall_soft: the first rung ranks (and the searcher is
+    told) val/classes_soft, the second rung val/overall_soft; where they disagree the
+    promotions follow each rung's own metric."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    asha, limiter, controller, _, first = _promoting_asha_on_222(
+        9, rung_metric="classes_soft,overall_soft")
+    assert first == "val/classes_soft" and asha.rungs == [222, 666]
+    soft = "val/overall_soft"
+
+    def arrive(name, examples, classes, overall_soft):
+        trial = next((t for t in controller.trials if t.trial_id == name), None)
+        if trial is None:
+            assert limiter.suggest(name) is not None
+            trial = Trial("t", config={}, trial_id=name, stub=True)
+            controller.trials.append(trial)
+        trial.set_status(Trial.RUNNING)
+        result = {"examples_seen": examples, first: classes, soft: overall_soft}
+        decision = asha.on_trial_result(controller, trial, result)
+        limiter.on_trial_result(name, result)
+        if decision == TrialScheduler.PAUSE:
+            trial.set_status(Trial.PAUSED)
+        return decision
+
+    # at 224 examples the classifiers rank a > c > b; overall_soft (STS noise) the reverse
+    for name, classes, overall_soft in (("a", 0.60, 0.30), ("b", 0.40, 0.70),
+                                        ("c", 0.50, 0.50)):
+        assert arrive(name, 224, classes, overall_soft) == TrialScheduler.PAUSE
+    assert asha.scores[0] == {"a": 0.60, "b": 0.40, "c": 0.50}
+    assert asha.promoted[0] == {"a"}  # the top 1 of 3 on classes_soft
+    told = limiter.searcher._ot_study.get_trials(deepcopy=False)
+    assert sorted(t.value for t in told) == [0.40, 0.50, 0.60]  # TPE learns classes_soft
+    # at 668 examples a is scored on overall_soft, not on classes_soft
+    arrive("a", 668, 0.90, 0.20)
+    assert asha.scores[1] == {"a": 0.20}
 
 
 def test_promoting_asha_promotes_as_li_et_al_algorithm_2():

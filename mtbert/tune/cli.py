@@ -13,9 +13,10 @@ import os
 import sys
 
 from mtbert.config import EMBEDDED_MODEL
-from mtbert.errors import MtbertError
 from mtbert.tune.budgets import BUDGETS
-from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS
+from mtbert.errors import ConfigError, MtbertError
+from mtbert.tune.records import (DEFAULT_RUNG_METRIC, PER_RUNG_DEFAULTS, RUNG_METRICS,
+                                  rung_metric_keys)
 from mtbert.tune.retention import KEEP_CHOICES
 from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
 from mtbert.tune.spaces import list_spaces
@@ -36,6 +37,15 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def rung_metric_arg(text: str) -> str:
+    """``--rung-metric``: a name of RUNG_METRICS, or names joined by commas (one per rung)."""
+    try:
+        rung_metric_keys(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,15 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
                         f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER} (bohb "
                         "with --search-alg bohb, asha with --search-alg random)")
-    p.add_argument("--rung-metric", default=DEFAULT_RUNG_METRIC, choices=list(RUNG_METRICS),
+    p.add_argument("--rung-metric", default=None, type=rung_metric_arg,
+                   metavar="{" + ",".join(RUNG_METRICS) + "}[,...]",
                    help="what the scheduler compares trials on at its rungs (PBT / PB2: at "
                         "each interval): overall, the objective (val/overall); overall_soft "
                         "(val/overall_soft), each accuracy replaced by the mean probability "
                         "of the gold class -- smooth where early accuracies all sit on the "
                         "majority class; classes_soft (val/classes_soft), the mean of the SST "
                         "and QQP gold-class probabilities, leaving out the STS r that is "
-                        "noise in the first steps. The searcher and the selection always use "
-                        f"val/overall. Default {DEFAULT_RUNG_METRIC}")
+                        "noise in the first steps; several joined by commas, one per rung "
+                        "from the first, the last for the later rungs (asha-promote only: "
+                        "classes_soft,overall_soft). The searcher and the selection always "
+                        "use val/overall. Default: "
+                        + "; ".join(f"{m} with --scheduler {s}"
+                                    for s, m in PER_RUNG_DEFAULTS.items())
+                        + f"; {DEFAULT_RUNG_METRIC} with the others")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
                    help="Ray results: a local folder (default ./ray_results) or, for a "

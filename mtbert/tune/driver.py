@@ -24,7 +24,7 @@ from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
                                         ui_links)
-from mtbert.tune.records import OBJECTIVE, RUNG_METRICS, collect_trials, ranked
+from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
@@ -93,7 +93,7 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     print(f"[tune] space {settings.space.name}: {', '.join(settings.space.searched)}; budget "
           f"{budget.name}: {budget.max_examples} examples/trial, {evaluated}, rungs grace "
           f"{budget.grace_period} rf {budget.reduction_factor:g}; scheduler "
-          f"{settings.scheduler} on {RUNG_METRICS[settings.rung_metric]}, searcher "
+          f"{settings.scheduler} on {rung_metric_label(settings.rung_metric)}, searcher "
           f"{settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
     return tracker, parent
@@ -105,7 +105,7 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
     params = {"space": s.space.name, "budget": budget.name, "num_samples": s.num_samples,
               "max_concurrent": max_concurrent, "cpus_per_trial": s.cpus_per_trial,
               "gpus_per_trial": s.gpus_per_trial, "search_alg": s.search_alg,
-              "scheduler": s.scheduler, "rung_metric": RUNG_METRICS[s.rung_metric],
+              "scheduler": s.scheduler, "rung_metric": rung_metric_label(s.rung_metric),
               "seed": s.seed,
               "split_seed": s.base.get("split_seed", 0), "model": s.base["model"],
               "data_dir": s.base["data_dir"], "ensemble": s.ensemble,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 
 #: what the search maximises: the overall score on the validation split carved from train
@@ -26,6 +27,37 @@ MODE = "max"
 RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft",
                 "classes_soft": "val/classes_soft"}
 DEFAULT_RUNG_METRIC = "overall_soft"
+#: ... but ``--scheduler asha-promote`` (the default) decides its first rung on the
+#: classifiers' probabilities and its later rungs on overall_soft: at the bench's first rung
+#: (224 examples) STS r ranks the configurations no better than chance, at the second (672)
+#: it carries signal; bench/search_efficiency.py ranks this pair first (README)
+PER_RUNG_DEFAULTS = {"asha-promote": "classes_soft,overall_soft"}
+
+
+def default_rung_metric(scheduler: str) -> str:
+    """The ``--rung-metric`` of a ``--scheduler`` where the flag is left out."""
+    return PER_RUNG_DEFAULTS.get(scheduler, DEFAULT_RUNG_METRIC)
+
+
+def rung_metric_keys(rung_metric: str) -> tuple[str, ...]:
+    """The result keys a ``--rung-metric`` compares trials on, one per decision rung from
+    the first, the last one also at any later rung: one name of :data:`RUNG_METRICS`, or
+    names joined by commas (``classes_soft,overall_soft``: the first rung on the
+    classifiers' gold-class probabilities, where STS r is still noise, the later ones on
+    overall_soft).  ConfigError naming the flag for anything else."""
+    names = [n.strip() for n in str(rung_metric).split(",")]
+    unknown = [n for n in names if n not in RUNG_METRICS]
+    if unknown:
+        raise ConfigError(f"--rung-metric {rung_metric}: unknown {', '.join(map(repr, unknown))};"
+                          f" expected one of {', '.join(RUNG_METRICS)}, or several joined by "
+                          "commas (one per rung, e.g. classes_soft,overall_soft)")
+    return tuple(RUNG_METRICS[n] for n in names)
+
+
+def rung_metric_label(rung_metric: str) -> str:
+    """What a ``--rung-metric`` decides on, as the summary and MLflow name it:
+    ``val/overall_soft``, or ``val/classes_soft,val/overall_soft`` (one per rung)."""
+    return ",".join(rung_metric_keys(rung_metric))
 #: each trial's running best of the objective, reported beside it (sorting trials by it in
 #: Ray's table or MLflow agrees with the search's ranking; the parent run has it too)
 BEST_OBJECTIVE = f"best/{OBJECTIVE}"

@@ -19,6 +19,8 @@ bracket starts at the grace period and every milestone is one of the budget's ru
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandForBOHB,
                                  PopulationBasedTraining, TrialScheduler)
 from ray.tune.schedulers.pb2 import PB2
@@ -102,7 +104,9 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     * A trial pauses at each *decision rung* (a budget rung with at least as much training
       after it as before: promoting from a rung past the budget's middle would train less
-      than it judged) and records its score on the rung metric there.
+      than it judged) and records its score on the rung metric there -- that rung's, where
+      ``--rung-metric`` names one per rung (``classes_soft,overall_soft``: STS r is noise
+      at the first rung and carries signal at the second, bench/rung_signal.py).
     * Each time a worker frees (a trial reaches a rung or ends) it goes to the best
       *promotable* trial of the highest rung that has one -- one in the top
       floor(n_k / rf) of the n_k trials that reached rung k so far, not yet promoted from
@@ -144,11 +148,13 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     _supports_buffered_results = False  # decisions at every rung, as results arrive
 
-    def __init__(self, budget: Budget, metric: str, workers: int, num_samples: int,
-                 last_leg_cpus: float = 0.0):
+    def __init__(self, budget: Budget, metric: str | Sequence[str], workers: int,
+                 num_samples: int, last_leg_cpus: float = 0.0):
         super().__init__()
         self.last_leg_cpus = last_leg_cpus  # 0: every trial keeps its CPUs
-        self._metric, self._mode = metric, MODE
+        # the metric of each decision rung (one for all, or one per rung: the last repeats)
+        self.rung_metrics = (metric,) if isinstance(metric, str) else tuple(metric)
+        self._metric, self._mode = self.rung_metrics[0], MODE
         self.rf = budget.reduction_factor
         self.workers = workers
         self.max_examples = budget.max_examples
@@ -170,7 +176,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             # (the whole budget: the trial ends, whatever a resumed search's fresh records
             # hold -- it resumed from its checkpoint at a rung and reported only here)
             return TrialScheduler.CONTINUE
-        score = result.get(self._metric)
+        score = result.get(self.rung_metrics[min(k, len(self.rung_metrics) - 1)])
         self.scores[k][trial.trial_id] = (score if isinstance(score, (int, float))
                                           and score == score else float("-inf"))
         chosen = self._best_promotable(tune_controller, arriving=trial)

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import importlib
 import signal
-from typing import Any
+from typing import Any, Sequence
 
 from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
-from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS
+from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
 
-#: the default search: promoting ASHA (deciding on records.DEFAULT_RUNG_METRIC) + Optuna's
+#: the default search: promoting ASHA (deciding on records.default_rung_metric) + Optuna's
 #: independent TPE, what bench/search_efficiency.py ranks first among the pairs it measured
 #: over 3 seeds (README "Search efficiency")
 DEFAULT_SCHEDULER = "asha-promote"
@@ -161,9 +161,10 @@ class _ClipToSpace:
 
 def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
                    scheduler: str = "asha", first_rung: int = 0,
-                   rung_metric: str = OBJECTIVE):
+                   rung_metric: str | Sequence[str] = OBJECTIVE):
     """The ``--search-alg``; under ``asha-promote`` (Optuna only) behind a
-    RunningTrialsLimiter told each trial's ``rung_metric`` at ``first_rung`` examples."""
+    RunningTrialsLimiter told each trial's ``rung_metric`` (the first rung's, where one per
+    rung) at ``first_rung`` examples."""
     if name == "random":
         from ray.tune.search.basic_variant import BasicVariantGenerator
         return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
@@ -184,18 +185,30 @@ def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
                                          multivariate=name == "optuna-mv", group=False)
     if scheduler == "asha-promote":
         return RunningTrialsLimiter(DistinctOptunaSearch(sampler=sampler), max_concurrent,
-                                    first_rung=first_rung, told_metric=rung_metric)
+                                    first_rung=first_rung,
+                                    told_metric=_per_rung(rung_metric)[0])
     return ConcurrencyLimiter(DistinctOptunaSearch(sampler=sampler),
                               max_concurrent=max_concurrent)
 
 
-def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OBJECTIVE,
-                    workers: int = 1, num_samples: int = 0, last_leg_cpus: float = 0.0):
-    """The ``--scheduler``, comparing trials on ``rung_metric`` (a value of RUNG_METRICS);
+def build_scheduler(name: str, budget: Budget, space=None,
+                    rung_metric: str | Sequence[str] = OBJECTIVE, workers: int = 1,
+                    num_samples: int = 0, last_leg_cpus: float = 0.0):
+    """The ``--scheduler``, comparing trials on ``rung_metric`` (a value of RUNG_METRICS;
+    ``asha-promote`` also takes one per decision rung, the last for the later ones);
     ``asha-promote`` promotes into a free one of ``workers`` places, at most synchronous
     halving's share of ``num_samples`` per rung, and resumes the trial of its last
     promotion with ``last_leg_cpus`` CPUs (0: unchanged)."""
     from ray.tune import schedulers
+    metrics = _per_rung(rung_metric)
+    if len(metrics) > 1 and name != "asha-promote":
+        raise ConfigError(f"--rung-metric {','.join(metrics)}: one metric per rung needs "
+                          f"--scheduler asha-promote, got --scheduler {name}")
+    if name == "asha-promote":
+        from mtbert.tune.schedulers import PromotingASHA
+        return PromotingASHA(budget, metrics, workers, num_samples or budget.num_samples,
+                             last_leg_cpus)
+    rung_metric = metrics[0]
     if name == "fifo":
         return schedulers.FIFOScheduler()
     if name == "bohb":
@@ -216,12 +229,13 @@ def build_scheduler(name: str, budget: Budget, space=None, rung_metric: str = OB
                   if k in found and p.dist != "choice"}
         return PBTToTheEnd(hyperparam_mutations=found, resample_probability=0.25,
                            custom_explore_fn=_ClipToSpace(bounds), **common)
-    if name == "asha-promote":
-        from mtbert.tune.schedulers import PromotingASHA
-        return PromotingASHA(budget, rung_metric, workers, num_samples or budget.num_samples,
-                             last_leg_cpus)
     from mtbert.tune.schedulers import ASHAOnExamples
     return ASHAOnExamples(budget, rung_metric)
+
+
+def _per_rung(rung_metric: str | Sequence[str]) -> tuple[str, ...]:
+    """One result key, or one per decision rung, as a tuple."""
+    return (rung_metric,) if isinstance(rung_metric, str) else tuple(rung_metric)
 
 
 def last_leg_cpus(settings, max_concurrent: int) -> float:
@@ -256,7 +270,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                                   resume_unfinished=True, resume_errored=False,
                                   param_space=param_space), None
     scheduler = build_scheduler(settings.scheduler, settings.budget, settings.space,
-                                RUNG_METRICS[settings.rung_metric], max_concurrent,
+                                rung_metric_keys(settings.rung_metric), max_concurrent,
                                 settings.num_samples, last_leg_cpus(settings, max_concurrent))
     return tune.Tuner(
         trainable, param_space=param_space,
@@ -268,7 +282,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
                 settings.search_alg, settings.seed,
                 0 if settings.scheduler in POPULATION_SCHEDULERS else max_concurrent,
                 settings.num_samples, settings.scheduler, settings.budget.grace_period,
-                RUNG_METRICS[settings.rung_metric]),
+                rung_metric_keys(settings.rung_metric)),
             scheduler=scheduler,
             reuse_actors=reuses_actors(settings.scheduler, settings.address),
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),

@@ -28,7 +28,7 @@ from mtbert.errors import ConfigError
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan
-from mtbert.tune.records import DEFAULT_RUNG_METRIC
+from mtbert.tune.records import default_rung_metric, rung_metric_keys
 from mtbert.tune.search import (POPULATION_SCHEDULERS, check_optional_packages, mutations,
                                 resolve_scheduler, resolve_search_alg)
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
@@ -56,7 +56,7 @@ class SearchSettings:
     resume: bool
     search_alg: str
     scheduler: str
-    rung_metric: str                 # a key of records.RUNG_METRICS
+    rung_metric: str                 # --rung-metric: records.rung_metric_keys
     seed: int
     cpus_per_trial: float
     gpus_per_trial: float | None    # None: chosen from the cluster (with_resources)
@@ -146,6 +146,10 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     args.scheduler = resolve_scheduler(args.scheduler, args.search_alg)
     search_alg = resolve_search_alg(args.scheduler, args.search_alg)
     check_optional_packages(args.scheduler, search_alg)
+    rung_metric = getattr(args, "rung_metric", None) or default_rung_metric(args.scheduler)
+    if len(rung_metric_keys(rung_metric)) > 1 and args.scheduler != "asha-promote":
+        raise ConfigError(f"--rung-metric {rung_metric}: one metric per rung needs --scheduler "
+                          f"asha-promote, got --scheduler {args.scheduler}; give it one metric")
     if args.scheduler in POPULATION_SCHEDULERS:
         mutations(space, args.scheduler)  # the space samples something it can perturb
     num_samples = args.num_samples if args.num_samples is not None else budget.num_samples
@@ -180,7 +184,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
         mlflow_uri=mlflow_uri, mlflow_fallback=mlflow_fallback, base=base,
         resume=bool(args.resume), search_alg=search_alg, scheduler=args.scheduler,
-        rung_metric=getattr(args, "rung_metric", DEFAULT_RUNG_METRIC), seed=args.seed,
+        rung_metric=rung_metric, seed=args.seed,
         cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),

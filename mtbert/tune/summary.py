@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mtbert.metrics import scalar_metrics
-from mtbert.tune.records import MODE, OBJECTIVE, RUNG_METRICS, TrialRecord, TrialStatus
+from mtbert.tune.records import MODE, OBJECTIVE, TrialRecord, TrialStatus, rung_metric_label
 from mtbert.tune.settings import trial_config_values
 
 NAN = float("nan")
@@ -227,7 +227,7 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         experiment=settings.experiment, experiment_dir=str(exp_dir),
         space={"name": space.name, "path": space.path, **space.to_dict()},
         budget=settings.budget.to_dict(), search_alg=settings.search_alg,
-        scheduler=settings.scheduler, rung_metric=RUNG_METRICS[settings.rung_metric],
+        scheduler=settings.scheduler, rung_metric=rung_metric_label(settings.rung_metric),
         seed=settings.seed, num_samples=settings.num_samples,
         resources=asdict(settings.resources) if settings.resources else {},
         objective=OBJECTIVE, mode=MODE, counts=counts,
