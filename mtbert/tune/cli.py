@@ -13,8 +13,8 @@ import os
 import sys
 
 from mtbert.config import EMBEDDED_MODEL
-from mtbert.tune.budgets import BUDGETS
 from mtbert.errors import ConfigError, MtbertError
+from mtbert.tune.budgets import BUDGETS
 from mtbert.tune.records import (DEFAULT_RUNG_METRIC, PER_RUNG_DEFAULTS, RUNG_METRICS,
                                   rung_metric_keys)
 from mtbert.tune.retention import KEEP_CHOICES

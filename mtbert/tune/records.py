@@ -27,10 +27,11 @@ MODE = "max"
 RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft",
                 "classes_soft": "val/classes_soft"}
 DEFAULT_RUNG_METRIC = "overall_soft"
-#: ... but ``--scheduler asha-promote`` (the default) decides its first rung on the
-#: classifiers' probabilities and its later rungs on overall_soft: at the bench's first rung
-#: (224 examples) STS r ranks the configurations no better than chance, at the second (672)
-#: it carries signal; bench/search_efficiency.py ranks this pair first (README)
+#: the schedulers whose default differs: ``asha-promote`` (the default scheduler) decides its
+#: first rung on the classifiers' probabilities and its later rungs on overall_soft -- at
+#: the bench's first rung (224 examples) STS r ranks the configurations no better than
+#: chance, at the second (672) it carries signal; bench/search_efficiency.py ranks this
+#: pair first (README)
 PER_RUNG_DEFAULTS = {"asha-promote": "classes_soft,overall_soft"}
 
 
@@ -58,6 +59,8 @@ def rung_metric_label(rung_metric: str) -> str:
     """What a ``--rung-metric`` decides on, as the summary and MLflow name it:
     ``val/overall_soft``, or ``val/classes_soft,val/overall_soft`` (one per rung)."""
     return ",".join(rung_metric_keys(rung_metric))
+
+
 #: each trial's running best of the objective, reported beside it (sorting trials by it in
 #: Ray's table or MLflow agrees with the search's ranking; the parent run has it too)
 BEST_OBJECTIVE = f"best/{OBJECTIVE}"
