@@ -466,6 +466,28 @@ def test_promoting_asha_decides_each_rung_on_its_own_metric():
     assert asha.scores[1] == {"a": 0.20}
 
 
+def test_promoting_asha_frees_the_place_of_a_trial_ray_errored_unannounced():
+    """Ray 2.60 errors a trial whose reused worker fails to reset without telling the
+    searcher; the scheduler frees its place (and tells the searcher it failed) at the next
+    choice, so the search does not go on with one worker fewer."""
+    from ray.tune.experiment import Trial
+
+    asha, limiter, controller, _, _ = _promoting_asha_on_222(9)
+    for name in ("a", "b"):
+        assert limiter.suggest(name) is not None
+        trial = Trial("t", config={}, trial_id=name, stub=True)
+        trial.set_status(Trial.RUNNING)
+        controller.trials.append(trial)
+    assert limiter.suggest("c") is None  # both places taken
+    controller.trials[1].set_status(Trial.ERROR)  # Ray's reset failure: no on_trial_complete
+    assert limiter.suggest("c") is None
+    asha.choose_trial_to_run(controller)
+    assert limiter.live_trials == {"a"}
+    told = limiter.searcher._ot_study.get_trials(deepcopy=False)
+    assert [t.state.name for t in told] == ["RUNNING", "FAIL"]  # b told, as failed
+    assert limiter.suggest("c") is not None  # the place is free again
+
+
 def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     """Rungs 222 and 666 decide (1,998 is past the budget's middle).  A trial reaching a
     rung continues if it is the best promotable of the top floor(n / 3); else it pauses

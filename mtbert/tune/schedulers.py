@@ -196,6 +196,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     def choose_trial_to_run(self, tune_controller):
         trials = tune_controller.get_trials()
+        self._free_places_of_ended(tune_controller, trials)
         promoted = [t for t in trials if t.status == t.PAUSED and self._was_promoted(t)]
         if promoted:
             return self._resumed(promoted[0])
@@ -215,6 +216,18 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 if t.status == t.PAUSED:
                     tune_controller.stop_trial(t)
         return None
+
+    @staticmethod
+    def _free_places_of_ended(tune_controller, trials) -> None:
+        """Ray 2.60 errors a trial whose reused worker failed to reset without telling the
+        searcher, whose limit would count it as running for the rest of the search (the
+        main job ran on one of two workers so): an errored trial still counted is ended in
+        the searcher too."""
+        searcher = tune_controller.search_alg.searcher
+        live = getattr(searcher, "live_trials", set())
+        for t in trials:
+            if t.trial_id in live and t.status == t.ERROR:
+                searcher.on_trial_complete(t.trial_id, error=True)
 
     def debug_string(self) -> str:
         counts = ", ".join(f"{m}: {len(s)} reached / {len(p)} promoted"

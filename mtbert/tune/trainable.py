@@ -82,6 +82,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
     entered_at, cpu_at_entry = time.time(), time.process_time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    wait_for_the_step_on_reuse()
     from ray import tune
 
     done = (ended or {}).get(tune.get_context().get_trial_id())
@@ -106,6 +107,23 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
         raise
 
 
+#: seconds Ray waits, when it reuses this worker for another trial, for the trial it
+#: stopped or paused to reach its next step and end (Ray's default: 2)
+REUSE_WAIT_S = 120
+
+
+def wait_for_the_step_on_reuse() -> None:
+    """Give Ray's ``FunctionTrainable.reset_config`` (read in this worker process, as it
+    reuses the worker for another trial) time for the trial it stopped or paused to end:
+    its training thread notices the stop only at its next step, and a step can take longer
+    than Ray's 2 s (``TUNE_FUNCTION_THREAD_TIMEOUT_S``): a SMART step of 32 examples on
+    one CPU thread, or an evaluation in progress.  Past the wait the reset fails, and
+    Ray 2.60 then errors the next trial without telling the searcher, whose limit goes on
+    counting it: the main job (smart, small) lost a trial and ran on one of its two
+    workers from then on."""
+    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(REUSE_WAIT_S))
+
+
 def _wait_for_the_actor_to_exit(work: Path) -> None:
     """Tune stopped this trial (ASHA) and ends the actor: ``tune.report`` raised
     SystemExit(0) in the trainer's checkpoint thread, which the trainer raised again in
@@ -118,8 +136,8 @@ def _wait_for_the_actor_to_exit(work: Path) -> None:
     calls), and the thread waits, holding everything, until the process is gone.
 
     Not so when Ray keeps the actor for another trial (``reuse_actors``): then it is in
-    ``FunctionTrainable.reset_config``, waiting (``TUNE_FUNCTION_THREAD_TIMEOUT_S``, 2 s)
-    for this thread to end -- a thread that never ends makes the reset fail and the next
+    ``FunctionTrainable.reset_config``, waiting (``TUNE_FUNCTION_THREAD_TIMEOUT_S``:
+    :data:`REUSE_WAIT_S`) for this thread to end -- a thread that never ends makes the reset fail and the next
     trial error.  The process lives on, so unwinding is safe: SystemExit goes up and the
     Trainer is freed as the stack unwinds."""
     if _actor_is_being_reset():
