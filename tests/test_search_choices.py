@@ -568,6 +568,110 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     assert sorted(told.values()) == [0.10, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]
 
 
+def _promoting_asha_small():
+    """PromotingASHA on the `small` budget (rungs 1,000 and 2,000 decide, rf 2, 8 trials:
+    quotas 4 -> 2), deciding on val/overall_soft, 2 workers with 1 CPU each, the driver's
+    searcher and a fake controller."""
+    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.records import RUNG_METRICS
+    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.spaces import parse_space
+    soft = RUNG_METRICS["overall_soft"]
+    asha = build_scheduler("asha-promote", get_budget("small"), rung_metric=soft, workers=2,
+                           num_samples=8, last_leg_cpus=2)
+    assert asha.rungs == [1000, 2000] and asha.quota == [4, 2] and asha.deciding == 1
+    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
+                        "t.yaml")
+    limiter = build_searcher("optuna", 0, 2, 8, "asha-promote", 1000, soft)
+    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
+    finished = [False]
+    return asha, limiter, _Controller(limiter, finished), finished, soft
+
+
+def test_promoting_asha_is_decided_when_its_deciding_rung_has_promoted_its_share():
+    """The main job's order of events (2026-11-26, `small`): the second rung promotes its 2
+    among its first 3 arrivals, after 3 of the first rung's 4.  That decides the search --
+    no trial can train past 2,000 examples any more -- so the searcher is finished there,
+    the first rung's fourth share void (the run had sampled a fifth trial and trained it
+    2,000 examples for nothing); at the end the paused trials are stopped."""
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    asha, limiter, controller, finished, soft = _promoting_asha_small()
+    t = {}
+
+    def start(name):
+        assert not finished[0] and limiter.suggest(name) is not None
+        t[name] = Trial("t", config={}, trial_id=name, stub=True)
+        t[name].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+        t[name].set_status(Trial.RUNNING)
+        controller.trials.append(t[name])
+
+    def arrive(name, examples, score):
+        decision = asha.on_trial_result(controller, t[name],
+                                        {"examples_seen": examples, soft: score})
+        if decision == TrialScheduler.PAUSE:
+            t[name].set_status(Trial.PAUSED)
+        return decision
+
+    P, C = TrialScheduler.PAUSE, TrialScheduler.CONTINUE
+    start("a"), start("b")
+    assert arrive("a", 1024, 0.398) == P       # first rung, n = 1
+    start("c")
+    assert arrive("b", 1000, 0.432) == C       # n = 2: the top 1, b, goes on
+    assert arrive("c", 1024, 0.405) == P       # n = 3: still b
+    start("d")
+    assert arrive("b", 2000, 0.446) == P       # second rung, n = 1
+    start("e")
+    assert arrive("d", 1024, 0.454) == C       # first rung n = 4: top 2 = d, b
+    assert arrive("e", 1024, 0.440) == C       # n = 5: top 2 = d, e: e goes on (3 of 4)
+    assert arrive("e", 2024, 0.440) == P       # second rung, n = 2: b (0.446) promoted
+    assert asha.choose_trial_to_run(controller) is t["b"]
+    t["b"].set_status(Trial.RUNNING)
+    assert not finished[0] and len(asha.promoted[0]) == 3 < asha.quota[0]
+    assert arrive("d", 2024, 0.559) == C       # n = 3: d, the second rung's second
+    assert asha.promoted == [{"b", "d", "e"}, {"b", "d"}]
+    assert asha.decided and finished[0] and asha.ended_sampling  # the fourth share: void
+    assert asha.choose_trial_to_run(controller) is None  # b and d train on; nothing else
+    t["b"].set_status(Trial.TERMINATED), t["d"].set_status(Trial.TERMINATED)
+    assert asha.choose_trial_to_run(controller) is None
+    assert all(t[n].status == Trial.TERMINATED for n in "abcde")
+
+
+def test_the_decision_stops_a_trial_promoted_from_a_lower_rung_not_yet_resumed():
+    """Where a first-rung promotion waits to be resumed when the deciding rung promotes
+    its last, that trial is stopped (no rung can promote it further), as is a trial
+    running to the first rung; the trials paused unpromoted stay until the end."""
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    asha, limiter, controller, _, soft = _promoting_asha_small()
+    for name in "abcdef":
+        assert limiter.suggest(name) is not None
+        limiter.on_pause(name)  # paused: their places free
+        trial = Trial("t", config={}, trial_id=name, stub=True)
+        trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+        trial.set_status(Trial.PAUSED)
+        controller.trials.append(trial)
+    a, b, c, d, e, f = controller.trials
+    # b, d and e promoted from the first rung, b promoted from the second and e paused
+    # there; a promoted from the first rung, waiting to be resumed; c paused, unpromoted
+    asha.scores = [{"a": 0.41, "b": 0.43, "c": 0.40, "d": 0.45, "e": 0.44}, {"b": 0.45,
+                                                                             "e": 0.44}]
+    asha.promoted = [{"a", "b", "d", "e"}, {"b"}]
+    assert asha._was_promoted(a) and not asha.decided
+    b.set_status(Trial.RUNNING), f.set_status(Trial.RUNNING)  # f runs to the first rung
+    d.set_status(Trial.RUNNING)
+    assert asha.on_trial_result(controller, d, {"examples_seen": 2024, soft: 0.56}) \
+        == TrialScheduler.CONTINUE  # n = 3, top 1: d, the second rung's second
+    assert asha.decided and asha.promoted[1] == {"b", "d"}
+    assert a.status == f.status == Trial.TERMINATED  # void now
+    assert c.status == e.status == Trial.PAUSED and b.status == d.status == Trial.RUNNING
+    assert asha.choose_trial_to_run(controller) is None
+
+
 def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_none():
     """8 trials, rf 3: the first rung promotes 2, the second floor(2 / 3) = 0.  The second
     promotion from the first rung is the last one; the first promoted, training on to the

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default="small", choices=list(BUDGETS), help=budgets)
     p.add_argument("--num-samples", type=int,
                    help="trials (default: the budget's); asha-promote samples fewer once its "
-                        "first rung has promoted its share (summary.json: counts.not_needed)")
+                        "first rung, or its deciding rung, has promoted its share "
+                        "(summary.json: counts.not_needed)")
     p.add_argument("--max-concurrent", type=int,
                    help="trials at once (default: cluster CPUs / --cpus-per-trial)")
     p.add_argument("--cpus-per-trial", type=finite_float, default=1.0,

@@ -120,8 +120,8 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
 
 def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int):
     """``Tuner.fit()``; returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
-    the scheduler ended the sampling (promoting ASHA, once its first rung's share is
-    promoted: the trials of ``num_samples`` left were not needed)."""
+    the scheduler ended the sampling (promoting ASHA, once its first rung's or deciding
+    rung's share is promoted: the trials of ``num_samples`` left were not needed)."""
     from ray import tune
 
     from mtbert.tune.trainable import train_trial

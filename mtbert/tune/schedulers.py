@@ -124,8 +124,13 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     * Once the first rung has promoted its share, no trial started later could be
       promoted: the searcher is told it is finished (``set_finished``) and samples no
       more (the bench's seeds started 1-3 such trials, 224 examples each, for nothing).
-    * The last promotion (every rung's share used) decides the search; the trials still
-      running to a rung can change nothing and are stopped, and the promoted trial is
+    * The last promotion -- the *deciding* rung's (the highest with a share) share used --
+      decides the search: no trial can train past that rung any more, so a lower rung's
+      unused share is void (rf 2, quotas 4 -> 2: the second rung's two can be promoted
+      among its first 3 arrivals, i.e. after 3 of the first rung's 4; the main job then
+      sampled a fifth trial and trained it 2,000 examples for nothing).  The searcher is
+      finished, the trials still running to a rung, or promoted there and not resumed, can
+      change nothing and are stopped, and the promoted trial is
       resumed with the CPUs they and it held (``last_leg_cpus``, the search's places x
       CPUs per trial; torch threads follow the trial's CPUs), where it would otherwise
       train the whole rest of the budget alone beside idle workers (the driver's, on one
@@ -164,6 +169,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         for _ in self.rungs:
             reaching = int(reaching // self.rf)
             self.quota.append(reaching)
+        # the rung whose promotions train the whole budget: the highest with a share
+        self.deciding = max((k for k, q in enumerate(self.quota) if q > 0), default=-1)
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
         self._widen: dict[str, float] = {}  # trial id -> CPUs to resume it with
@@ -244,6 +251,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     def _best_promotable(self, tune_controller, arriving=None):
         """(trial, rung) to promote: the highest rung first, the best score first; a trial
         qualifies while paused at that rung (or ``arriving`` at it)."""
+        if self.decided:
+            return None
         by_id = {t.trial_id: t for t in tune_controller.get_trials()}
         for k in reversed(range(len(self.rungs))):
             if len(self.promoted[k]) >= self.quota[k]:
@@ -275,24 +284,34 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     def _promote(self, tune_controller, trial, k: int, arriving=None):
         """Promote ``trial`` from rung ``k`` (paused there, or arriving: it keeps its
-        place): it takes a running place.  With the first rung's share used, the searcher
-        is finished; with every rung's, the other trials still running are stopped and
-        this one is to resume with the CPUs they held."""
+        place): it takes a running place.  With the first rung's share used, or the
+        deciding rung's, the searcher is finished; with the deciding rung's, the other
+        trials still running to a rung are stopped and this one is to resume with the CPUs
+        they held."""
         self.promoted[k].add(trial.trial_id)
         if trial.status != trial.RUNNING:
             tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
         if self.ended_sampling:
             tune_controller.search_alg.set_finished()
-        if all(len(p) >= q for p, q in zip(self.promoted, self.quota)):
+        if self.decided:
             self._end_the_rest(tune_controller, trial, arriving)
         return trial
 
     @property
     def ended_sampling(self) -> bool:
-        """The first rung has promoted its share, so the searcher is finished: the trials
-        of num_samples never sampled were not needed, not lost (the driver's summary)."""
-        return bool(self.promoted and self.promoted[0]
-                    and len(self.promoted[0]) >= self.quota[0])
+        """The first rung has promoted its share, or the search is decided, so the searcher
+        is finished: the trials of num_samples never sampled were not needed, not lost (the
+        driver's summary)."""
+        return self.decided or bool(self.promoted and self.promoted[0]
+                                    and len(self.promoted[0]) >= self.quota[0])
+
+    @property
+    def decided(self) -> bool:
+        """The deciding rung has promoted its share: no other trial can train past it
+        (with no rung's share, the end rule's promotion decides: fewer than rf trials)."""
+        if self.deciding < 0:
+            return any(self.promoted)
+        return len(self.promoted[self.deciding]) >= self.quota[self.deciding]
 
     def _resumed(self, trial):
         """``trial``, about to resume, with the CPUs of the last promotion if it is that."""
@@ -307,7 +326,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         their CPUs, with its own, to ``last`` (see ``last_leg_cpus``)."""
         # the trials promoted by the last rung that promotes any (9 trials, rf 3: 3 -> 1;
         # 8 trials: 2 -> 0, both of the first rung's go on, and the end rule picks one)
-        deciding = max((k for k, q in enumerate(self.quota) if q > 0), default=-1)
+        deciding = self.deciding
         kept, stopped_pending = 0.0, False
         for t in tune_controller.get_trials():
             if t is last or t.status not in (t.RUNNING, t.PENDING, t.PAUSED):
@@ -315,7 +334,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             if t.trial_id in self.promoted[deciding]:
                 if self._top_rung(t.trial_id) == deciding:  # not yet paused at a later rung
                     kept += trial_cpus(t)  # training, or about to train, the rest
-            elif t is not arriving and t.status != t.PAUSED:
+            elif t is not arriving and (t.status != t.PAUSED or self._was_promoted(t)):
+                # (paused and promoted from a lower rung, not yet resumed: void now)
                 stopped_pending |= t.status == t.PENDING
                 tune_controller.stop_trial(t)
         # Ray 2.60's controller keeps a PENDING trial it stops (staged, its actor not yet

@@ -39,8 +39,8 @@ class Counts:
 
 
 #: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
-NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share, and no trial "
-                     "started later could have been promoted")
+NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share (or its deciding "
+                     "rung's), and no trial started later could have been promoted")
 
 
 def count_trials(records: list[TrialRecord], num_samples: int,
