@@ -285,7 +285,7 @@ def _markdown(s: SearchSummary) -> str:
                   "dev sst | dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
         rows = [(f"best trial {best.trial_id}", best.val, best.dev)]
         if ens:
-            rows.append((f"ensemble ({ens.method}, {len(ens.members)} members)", ens.val,
+            rows.append((f"ensemble ({ens.method}, {len(ens.members)} member{'' if len(ens.members) == 1 else 's'})", ens.val,
                          ens.dev))
         for label, val, dev in rows:
             overall, sst, qqp, sts = _scores(dev, "dev")
