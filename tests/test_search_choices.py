@@ -568,6 +568,24 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     assert sorted(told.values()) == [0.10, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]
 
 
+def _arrivals(asha, controller, soft: str, trials: dict, resume: bool = False):
+    """``arrive(name, examples, score)``: trial ``name`` reports ``score`` on ``soft`` at
+    ``examples`` (set running first where ``resume``: Ray resumed it); the scheduler's
+    decision, with the trial paused where it says PAUSE."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import TrialScheduler
+
+    def arrive(name, examples, score):
+        if resume:
+            trials[name].set_status(Trial.RUNNING)
+        decision = asha.on_trial_result(controller, trials[name],
+                                        {"examples_seen": examples, soft: score})
+        if decision == TrialScheduler.PAUSE:
+            trials[name].set_status(Trial.PAUSED)
+        return decision
+    return arrive
+
+
 def _promoting_asha_small():
     """PromotingASHA on the `small` budget (rungs 1,000 and 2,000 decide, rf 2, 8 trials:
     quotas 4 -> 2), deciding on val/overall_soft, 2 workers with 1 CPU each, the driver's
@@ -608,12 +626,7 @@ def test_promoting_asha_is_decided_when_its_deciding_rung_has_promoted_its_share
         t[name].set_status(Trial.RUNNING)
         controller.trials.append(t[name])
 
-    def arrive(name, examples, score):
-        decision = asha.on_trial_result(controller, t[name],
-                                        {"examples_seen": examples, soft: score})
-        if decision == TrialScheduler.PAUSE:
-            t[name].set_status(Trial.PAUSED)
-        return decision
+    arrive = _arrivals(asha, controller, soft, t)
 
     P, C = TrialScheduler.PAUSE, TrialScheduler.CONTINUE
     start("a"), start("b")
@@ -692,13 +705,7 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
         t[name].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
         controller.trials.append(t[name])
 
-    def arrive(name, examples, score):
-        t[name].set_status(Trial.RUNNING)
-        decision = asha.on_trial_result(controller, t[name],
-                                        {"examples_seen": examples, soft: score})
-        if decision == TrialScheduler.PAUSE:
-            t[name].set_status(Trial.PAUSED)
-        return decision
+    arrive = _arrivals(asha, controller, soft, t, resume=True)
 
     P, C = TrialScheduler.PAUSE, TrialScheduler.CONTINUE
     start("a"), start("b")
