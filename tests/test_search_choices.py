@@ -386,29 +386,36 @@ class _Controller:
         trial.set_status(trial.TERMINATED)
 
 
-def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
-                           rung_metric: str = "overall_soft"):
-    """PromotingASHA on a 2,000-example budget, rungs 222 / 666 / 1,998 (rf 3), deciding on
-    ``rung_metric`` (a --rung-metric), 2 workers, with the driver's searcher and a fake
-    controller; the last value returned is the first rung's metric."""
-    from mtbert.tune.budgets import Budget
+def _promoting_asha(budget, num_samples: int, first_rung: int, last_leg_cpus: float = 0.0,
+                    rung_metric: str = "overall_soft"):
+    """PromotingASHA on ``budget`` deciding on ``rung_metric`` (a --rung-metric), 2 workers,
+    with the driver's searcher (told at ``first_rung``) and a fake controller; the last
+    value returned is the first rung's metric."""
     from mtbert.tune.records import rung_metric_keys
     from mtbert.tune.search import build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     metrics = rung_metric_keys(rung_metric)
-    soft = metrics[0]
-    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
-                    grace_period=222, reduction_factor=3, warmup_examples=96,
-                    max_train_per_task=0, max_eval_per_task=0, num_samples=num_samples,
-                    ensemble_top_k=1)
     asha = build_scheduler("asha-promote", budget, rung_metric=metrics, workers=2,
                            num_samples=num_samples, last_leg_cpus=last_leg_cpus)
     space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
                         "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, num_samples, "asha-promote", 222, metrics)
+    limiter = build_searcher("optuna", 0, 2, num_samples, "asha-promote", first_rung,
+                             metrics)
     limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
     finished = [False]
-    return asha, limiter, _Controller(limiter, finished), finished, soft
+    return asha, limiter, _Controller(limiter, finished), finished, metrics[0]
+
+
+def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
+                           rung_metric: str = "overall_soft"):
+    """PromotingASHA (``_promoting_asha``) on a 2,000-example budget, rungs 222 / 666 /
+    1,998 (rf 3)."""
+    from mtbert.tune.budgets import Budget
+    budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
+                    grace_period=222, reduction_factor=3, warmup_examples=96,
+                    max_train_per_task=0, max_eval_per_task=0, num_samples=num_samples,
+                    ensemble_top_k=1)
+    return _promoting_asha(budget, num_samples, 222, last_leg_cpus, rung_metric)
 
 
 def test_rung_metric_names_one_metric_or_one_per_rung():
@@ -587,23 +594,13 @@ def _arrivals(asha, controller, soft: str, trials: dict, resume: bool = False):
 
 
 def _promoting_asha_small():
-    """PromotingASHA on the `small` budget (rungs 1,000 and 2,000 decide, rf 2, 8 trials:
-    quotas 4 -> 2), deciding on val/overall_soft, 2 workers with 1 CPU each, the driver's
-    searcher and a fake controller."""
+    """PromotingASHA (``_promoting_asha``) on the `small` budget (rungs 1,000 and 2,000
+    decide, rf 2, 8 trials: quotas 4 -> 2), 1 CPU per trial, the last leg on 2."""
     from mtbert.tune.budgets import get_budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["overall_soft"]
-    asha = build_scheduler("asha-promote", get_budget("small"), rung_metric=soft, workers=2,
-                           num_samples=8, last_leg_cpus=2)
+    made = _promoting_asha(get_budget("small"), 8, 1000, last_leg_cpus=2)
+    asha = made[0]
     assert asha.rungs == [1000, 2000] and asha.quota == [4, 2] and asha.deciding == 1
-    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
-                        "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, 8, "asha-promote", 1000, soft)
-    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
-    finished = [False]
-    return asha, limiter, _Controller(limiter, finished), finished, soft
+    return made
 
 
 def test_promoting_asha_is_decided_when_its_deciding_rung_has_promoted_its_share():

@@ -82,6 +82,8 @@ def keep_what_was_asked(settings, summary, best_checkpoints: dict[str, str]):
     the training states, mark the experiment; returns the summary naming the weights."""
     import dataclasses
     import json
+
+    from mtbert.tune.summary import counted
     location, keep = settings.location, settings.keep_checkpoints
     models: dict[str, str] = {}
     if keep == "best" and summary.best_trial is not None:
@@ -94,7 +96,7 @@ def keep_what_was_asked(settings, summary, best_checkpoints: dict[str, str]):
     kept = sum(folder_bytes(Path(p)) for p in models.values())
     location.write(PRUNED_FILE, json.dumps({"keep_checkpoints": keep, "models": models,
                                             "removed_states": files, "removed_bytes": size}))
-    print(f"[tune] --keep-checkpoints {keep}: kept the weights of {len(models)} model{'' if len(models) == 1 else 's'} "
+    print(f"[tune] --keep-checkpoints {keep}: kept the weights of {counted(len(models), 'model')} "
           f"({kept / 2**20:.1f} MiB) in {location.public(location.exp_dir / MODELS_DIR)}; "
           f"removed {files} training states ({size / 2**20:.1f} MiB)", flush=True)
     best = summary.best_trial and dataclasses.replace(

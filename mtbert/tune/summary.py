@@ -38,6 +38,11 @@ class Counts:
     not_needed: int = 0
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural but for one: "1 model", "3 models"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 #: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
 NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share (or its deciding "
                      "rung's), and no trial started later could have been promoted")
@@ -285,8 +290,8 @@ def _markdown(s: SearchSummary) -> str:
                   "dev sst | dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
         rows = [(f"best trial {best.trial_id}", best.val, best.dev)]
         if ens:
-            rows.append((f"ensemble ({ens.method}, {len(ens.members)} member{'' if len(ens.members) == 1 else 's'})", ens.val,
-                         ens.dev))
+            rows.append((f"ensemble ({ens.method}, {counted(len(ens.members), 'member')})",
+                         ens.val, ens.dev))
         for label, val, dev in rows:
             overall, sst, qqp, sts = _scores(dev, "dev")
             lines.append(f"| {label} | {_with_se(val, 'val/overall')} | "
