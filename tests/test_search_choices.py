@@ -732,23 +732,13 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
     from ray.tune.schedulers import TrialScheduler
 
     from mtbert.tune.budgets import get_budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["classes_soft"]
     budget = get_budget("smoke").resolved(1000)
-    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
-                        "t.yaml")
     for cpus, pending, decision in ((2, False, TrialScheduler.PAUSE),
                                     (0, False, TrialScheduler.CONTINUE),
                                     (2, True, TrialScheduler.CONTINUE)):
-        asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2,
-                               num_samples=3, last_leg_cpus=cpus)
+        asha, limiter, controller, finished, soft = _promoting_asha(
+            budget, 3, 48, last_leg_cpus=cpus, rung_metric="classes_soft")
         assert asha.rungs == [48] and asha.quota == [1]
-        limiter = build_searcher("optuna", 0, 2, 3, "asha-promote", 48, soft)
-        limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
-        finished = [False]
-        controller = _Controller(limiter, finished)
         if pending:  # queued by Ray, its worker not started, when the last promotion comes
             queued = Trial("t", config={}, trial_id="q", stub=True)
             queued.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
@@ -785,19 +775,10 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
     from ray.tune.schedulers import TrialScheduler
 
     from mtbert.tune.budgets import get_budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
-    soft = RUNG_METRICS["classes_soft"]
-    budget = get_budget("smoke").resolved(1000)
-    asha = build_scheduler("asha-promote", budget, rung_metric=soft, workers=2, num_samples=2,
-                           last_leg_cpus=2)
+    asha, limiter, controller, finished, soft = _promoting_asha(
+        get_budget("smoke").resolved(1000), 2, 48, last_leg_cpus=2, rung_metric="classes_soft")
     assert asha.rungs == [48] and asha.quota == [0]
-    space = parse_space({"description": "d", "params": {"dropout": {"uniform": [0.1, 0.5]}}},
-                        "t.yaml")
-    limiter = build_searcher("optuna", 0, 2, 2, "asha-promote", 48, soft)
-    limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
-    controller = _Controller(limiter, [True])
+    finished[0] = True  # the searcher has given both trials
     for name, score in (("a", 0.41), ("b", 0.45)):
         assert limiter.suggest(name) is not None
         trial = Trial("t", config={}, trial_id=name, stub=True)
