@@ -42,7 +42,7 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
     base = se.bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     budget = se.bench_budget(args, se.METHODS[se.DEFAULT_METHOD])
-    cluster.start_local_ray(num_cpus=args.workers)
+    cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers)
     rows = []
     for seed in seeds:
         trial_base = {**base, **run_fields(budget, "asha"), "seed": seed,

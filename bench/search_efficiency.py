@@ -623,6 +623,10 @@ def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argume
                    help="keep each run's Ray trial folders (checkpoints) under OUT; by "
                         "default they are removed once the run's figures are in runs.json "
                         "(a failed run's are kept)")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="start Ray without its dashboard (the bench needs none; Ray refuses "
+                        "to start one where the dashboard's packages, ray[default], are "
+                        "missing, e.g. a GPU machine given only the wheels a search needs)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the figures of the runs kept in OUT/runs.json")
     p.add_argument("--carry-figures", metavar="JSON",
@@ -710,7 +714,7 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
           f"{args.full_examples} examples; {args.workers} workers; seeds {args.seed_list}",
           flush=True)
     # (GPUs: Ray counts the machine's; trials share them by --gpus-per-trial)
-    cluster.start_local_ray(num_cpus=args.workers,
+    cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers,
                             **({} if args.gpus_per_trial else {"num_gpus": 0}))
     try:
         for seed in args.seed_list:
@@ -823,7 +827,8 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     plot(runs, docs / "search_efficiency.png",
          f"best validation overall vs compute, each seed a line ({args.full_examples} examples "
-         f"per full training, {args.workers} workers, MiniLM, CPU)")
+         f"per full training, {args.workers} workers, MiniLM, "
+         + (f"{args.gpus_per_trial:g} GPU each)" if args.gpus_per_trial else "CPU)"))
     (docs / "search_efficiency.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     (docs / "search_efficiency.md").write_text(markdown_tables(summary, ranking),
                                                encoding="utf-8")

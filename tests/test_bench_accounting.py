@@ -283,6 +283,24 @@ def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path,
     assert "gpus_per_trial" in capsys.readouterr().err
 
 
+def test_no_dashboard_option_starts_ray_without_one(se):
+    """--no-dashboard (a machine whose Ray lacks ray[default]'s packages refuses a
+    dashboard): the bench's Ray starts without one; by default it has one."""
+    import ray
+
+    from mtbert.tune.cluster import dashboard_url, start_local_ray
+    assert se.parse_args(["--report-only"])[1].no_dashboard is False
+    _, args = se.parse_args(["--no-dashboard", "--report-only"])
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already open in this process")
+    start_local_ray(not args.no_dashboard, num_cpus=1)
+    try:
+        assert ray.cluster_resources()["CPU"] == 1
+        assert dashboard_url() is None
+    finally:
+        ray.shutdown()
+
+
 def test_carried_figures_fill_in_methods_the_runs_lack(se, tmp_path):
     """--carry-figures: an earlier search_efficiency.json's methods that runs.json lacks
     are kept (marked carried) and ranked beside the runs'; a method re-run is the run's;

@@ -33,9 +33,13 @@ def quiet_environment() -> None:
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 
 
-def start_local_ray(**kwargs):
-    """A one-machine Ray whose dashboard listens on 127.0.0.1 only."""
+def start_local_ray(dashboard: bool = True, **kwargs):
+    """A one-machine Ray whose dashboard listens on 127.0.0.1 only; ``dashboard=False``
+    starts none (the benchmarks' ``--no-dashboard``: a Ray without the dashboard's
+    packages, ``ray`` without ``[default]``, refuses ``include_dashboard=True``)."""
     import ray
+    if not dashboard:
+        return ray.init(include_dashboard=False, log_to_driver=True, **kwargs)
     return ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
                     **kwargs)
 
