@@ -708,6 +708,7 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
     from mtbert.data import load_data
     from mtbert.tune import cluster
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
+    machine = this_machine(bool(args.gpus_per_trial))  # kept with each run: --report-only
     base = bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     print(f"[bench] training rows {data.train_sizes()}; one full training = "
@@ -721,7 +722,8 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
             for name in args.method_list:
                 print(f"[bench] seed {seed}: {METHODS[name].label} ...", flush=True)
                 run = run_method(name, seed, data, base, args, storage)
-                runs.setdefault(name, {})[seed] = {**run, "command": command}
+                runs.setdefault(name, {})[seed] = {**run, "command": command,
+                                                   "machine": machine}
                 print(f"[bench] seed {seed} {name}: {run['num_trials']} trials in "
                       f"{run['wall_s']:.0f} s", flush=True)
                 if run["errors"]:
@@ -763,6 +765,29 @@ def carried_figures(path: str | None, runs: dict, settings: dict) -> dict:
                    "first_rung": kept.get("first_rung", {}).get(name, {}),
                    "commands": kept.get("commands", [])}
             for name, s in methods.items() if name in METHODS and name not in runs}
+
+
+def this_machine(gpu: bool = False) -> dict:
+    """Where a run ran: CPUs, platform (and the GPU's name where trials used one)."""
+    facts = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+             "processor": platform.processor() or platform.machine()}
+    if gpu:
+        import torch
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
+
+
+def runs_machine(runs: dict) -> dict | list[dict]:
+    """The machine the runs recorded (a list where they ran on several); runs from before
+    the record: this one, as the report had it."""
+    seen: list[dict] = []
+    for by_seed in runs.values():
+        for run in by_seed.values():
+            if "machine" in run and run["machine"] not in seen:
+                seen.append(run["machine"])
+    if not seen:
+        return this_machine()
+    return seen[0] if len(seen) == 1 else seen
 
 
 def write_figures(args, runs: dict, docs: Path) -> None:
@@ -810,8 +835,7 @@ def write_figures(args, runs: dict, docs: Path) -> None:
                             for r in by_seed.values()}
                            | {cmd for c in carried.values() for cmd in c["commands"]}),
         "carried": sorted(carried),  # figures from --carry-figures, not from runs.json
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": runs_machine(runs),
         "settings": {k: getattr(args, k) for k in SAME},
         "seeds": sorted({s for by_seed in runs.values() for s in by_seed}),
         "default": {"method": DEFAULT_METHOD,

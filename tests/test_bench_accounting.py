@@ -5,10 +5,13 @@ of a trial (the scripts themselves run real searches; see README Results)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from bench_modules import load_bench as load
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +302,30 @@ def test_no_dashboard_option_starts_ray_without_one(se):
         assert dashboard_url() is None
     finally:
         ray.shutdown()
+
+
+def test_report_names_the_machine_the_runs_ran_on_not_the_reporting_one(se, tmp_path):
+    """--report-only on another machine: the figures' machine is the one each run kept
+    (the GPU runs' docs/gpu_h200 JSON once read this CPU's); several: all of them."""
+    kept = json.loads((REPO / "docs" / "gpu_h200" / "search_efficiency_runs.json")
+                      .read_text(encoding="utf-8"))
+    h200 = {"cpu_count": 16, "platform": "Linux-x86_64", "processor": "x86_64",
+            "gpu": "NVIDIA H200"}
+    for by_seed in kept["runs"].values():
+        for run in by_seed.values():
+            run["machine"] = h200
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    (out / "runs.json").write_text(json.dumps(kept), encoding="utf-8")
+    settings = [f"--{k.replace('_', '-')}={v}" for k, v in kept["args"].items()]
+    assert se.main(["--report-only", "--out", str(out), "--docs", str(docs), *settings]) == 0
+    written = json.loads((docs / "search_efficiency.json").read_text(encoding="utf-8"))
+    assert written["machine"] == h200
+    assert written["default"]["wall_vs_one_training"] == pytest.approx(0.861, abs=0.001)
+    kept["runs"]["grid"]["1"]["machine"] = {**h200, "gpu": "NVIDIA H100 80GB HBM3"}
+    assert len(se.runs_machine({m: {int(k): r for k, r in by_seed.items()}
+                                for m, by_seed in kept["runs"].items()})) == 2
+    assert se.runs_machine({})["cpu_count"] == os.cpu_count()
 
 
 def test_carried_figures_fill_in_methods_the_runs_lack(se, tmp_path):
