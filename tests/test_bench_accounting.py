@@ -160,6 +160,20 @@ def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
                           for s in (0, 1, 2)})
     assert b["anova_configs"]["p"] > 0.05
     assert se.grid_analysis({0: _grid_run(0, score)}) is None  # one seed: nothing to compare
+    ceiling = b["reach_ceiling"]
+    assert ceiling["every_seed"]["1"] == pytest.approx(ceiling["per_seed"]["1"] ** 3)
+    assert 0 < ceiling["per_seed"]["1"] < ceiling["per_seed"]["2"] < ceiling["per_seed"]["3"] < 1
+
+
+def test_reach_ceiling_against_its_closed_forms(se):
+    """k trainings of the best configuration against the grid's best: ten equal
+    configurations give k / (k + 10) (the grid's maximum is any of the 10 + k draws
+    equally); one configuration far above the rest, k / (k + 1)."""
+    equal = se.reach_ceiling([0.7] * 10, 0.01)
+    far = se.reach_ceiling([0.9] + [0.5] * 9, 0.01)
+    for k in (1, 2, 3):
+        assert equal[k] == pytest.approx(k / (k + 10), abs=0.01)
+        assert far[k] == pytest.approx(k / (k + 1), abs=0.01)
 
 
 def test_bench_budget_puts_the_rungs_where_the_method_says(se):
