@@ -204,10 +204,7 @@ def test_worker_node_lost_mid_trial_resumes_from_checkpoint(tmp_path, tiny_model
     by_iteration = dict(zip(df["training_iteration"].astype(int), df["examples_seen"]))
     seen = [by_iteration[i] for i in sorted(by_iteration)]
     assert seen == sorted(set(seen)), seen
-    restored_at = by_iteration[restore_iteration]
-    assert 0 < restored_at and seen[-1] >= SMOKE_MAX
-    nodes = set(df["node_id"])
-    assert nodes == {worker.node_id, replacement.node_id}  # before and after the node loss
+    assert seen[-1] >= SMOKE_MAX
 
     # MLflow agrees: one run per trial (no duplicate after the retry), history without repeats
     children, parents = _mlflow_children(db)
@@ -216,9 +213,17 @@ def test_worker_node_lost_mid_trial_resumes_from_checkpoint(tmp_path, tiny_model
     assert set(by_trial) == ray_ids
     run = by_trial[killed_trial]
     assert run.info.status == "FINISHED" and int(run.data.tags["retries"]) >= 1
-    assert set(run.data.tags["node_ids"].split(",")) == nodes
     steps = _metric_points(db, run.info.run_id)
-    assert steps == sorted(set(steps)) == seen
+    # Ray's result log may also lose the reports from before the node's death (one CI run:
+    # only 100, 146, 194 after a restore at iteration 2); MLflow's history, logged as the
+    # results arrived, keeps them: iteration i is its i-th step
+    assert steps == sorted(set(steps)) and steps[-len(seen):] == seen, (steps, seen)
+    restored_at = by_iteration.get(restore_iteration, steps[restore_iteration - 1])
+    assert restored_at > 0  # a checkpoint with training in it, not the start
+    nodes = set(df["node_id"])
+    if len(seen) == len(steps):  # (a log that lost the first node's rows names only the second)
+        assert nodes == {worker.node_id, replacement.node_id}  # before and after the loss
+    assert set(run.data.tags["node_ids"].split(",")) == {worker.node_id, replacement.node_id}
     for t in summary["trials"]:
         assert t["mlflow_run_id"] == by_trial[t["trial_id"]].info.run_id
     print(f"node loss: trial {killed_trial} killed at {seen_at_kill} examples, "
