@@ -38,10 +38,8 @@ def start_local_ray(dashboard: bool = True, **kwargs):
     starts none (the benchmarks' ``--no-dashboard``: a Ray without the dashboard's
     packages, ``ray`` without ``[default]``, refuses ``include_dashboard=True``)."""
     import ray
-    if not dashboard:
-        return ray.init(include_dashboard=False, log_to_driver=True, **kwargs)
-    return ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
-                    **kwargs)
+    where = {"dashboard_host": "127.0.0.1"} if dashboard else {}
+    return ray.init(include_dashboard=dashboard, log_to_driver=True, **where, **kwargs)
 
 
 @contextlib.contextmanager
