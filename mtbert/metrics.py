@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
 
 def overall_score(sst_acc: float, qqp_acc: float, sts_corr: float) -> float:
@@ -98,6 +97,8 @@ def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
     pred, gold = np.asarray(pred, dtype=np.float64), np.asarray(gold, dtype=np.float64)
     if len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0:
         return 0.0  # undefined correlation (constant predictions) scores as no correlation
+    from scipy import stats  # deferred: scipy.stats takes ~0.7 s to import (CLI --help)
+
     return float(stats.pearsonr(pred, gold).statistic)
 
 
@@ -126,6 +127,8 @@ def task_metrics(task: str, pred: np.ndarray, gold: np.ndarray,
         return {"qqp_acc": acc, "qqp_acc_se": accuracy_standard_error(acc, n),
                 "qqp_precision": float(p[1]),
                 "qqp_recall": float(r[1]), "qqp_f1": float(f1[1]), **soft}
+    from scipy import stats  # deferred: scipy.stats takes ~0.7 s to import (CLI --help)
+
     constant = len(gold) < 2 or np.std(pred) == 0 or np.std(gold) == 0
     r = pearson(pred, gold)
     return {"sts_corr": r, "sts_corr_se": pearson_standard_error(r, n),

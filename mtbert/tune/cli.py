@@ -138,11 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # before the imports below: --help stays fast
     from mtbert.tune.cluster import quiet_environment
-    from mtbert.tune.driver import run
+    from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
     from mtbert.tune.settings import resolve_settings
 
-    args = build_parser().parse_args(argv)
     quiet_environment()
     if args.list_spaces:
         for name, description in list_spaces():

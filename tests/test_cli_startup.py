@@ -1,0 +1,38 @@
+"""``--help`` of both commands stays fast: it imports none of the heavy packages (they are
+imported where a search or a training uses them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("ray", "mlflow", "optuna", "torch", "transformers", "pandas", "scipy", "pyarrow",
+         "matplotlib")
+
+PROBE = """
+import json, runpy, sys
+sys.argv = [{script!r}, "--help"]
+try:
+    runpy.{runner}({target!r}, run_name="__main__")
+except SystemExit:
+    pass
+print(json.dumps(sorted(name for name in {heavy!r} if name in sys.modules)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("script, runner, target", [
+    ("tune_driver.py", "run_path", "tune_driver.py"),
+    ("python -m mtbert.train", "run_module", "mtbert.train"),
+])
+def test_help_imports_no_heavy_package(script, runner, target):
+    code = PROBE.format(script=script, runner=runner, target=target, heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+    assert json.loads(out.stderr.strip().splitlines()[-1]) == []
