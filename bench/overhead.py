@@ -25,7 +25,7 @@ Per checkpoint (second table): how many each trial wrote, MiB written per checkp
 (``checkpoint_bytes``), seconds writing one (``time/checkpoint_write_s``, background),
 seconds per report (``time/report_s``: Ray's copy to storage and the driver's round trip,
 background) and the training thread's stall per report; and that stall as a share of
-the trial's training time at the GPU target speed (5,000 examples/s, issue 11): a
+the trial's training time at the GPU target speed (5,000 examples/s): a
 projection from these CPU figures, not a GPU measurement.  Reports count the
 checkpoints before them, so the last checkpoint's report and stall are not in these
 figures (its write is).

@@ -18,7 +18,7 @@ validation split; SST = the majority class of the training rows (a sentence embe
 without a classifier has no SST prediction: this row is the floor, not a model).
 
 Reports (``../shared/reports``, BERT-base fine-tuned on GPU on the full data, dev
-files): report 004's best, the figure the issue names.  Writes ``quality.json`` and
+files): report 004's best, the target figure.  Writes ``quality.json`` and
 prints a Markdown table.
 """
 

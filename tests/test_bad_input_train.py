@@ -3,7 +3,7 @@
 Every case must exit 2 with one ``error: ...`` line on stderr (its last line; no
 traceback) naming the file and line, the file and what is wrong with it, the config key
 or the path, and leave nothing in ``--out``: no folder where there was none, and an
-existing one (``--resume``) exactly as it was. The classes of issue 18: a damaged
+existing one (``--resume``) exactly as it was. The classes of bad input: a damaged
 CS 224N file, a damaged model folder, a damaged or foreign checkpoint, an unusable
 ``--out`` or token cache, a non-finite number (more kinds of each, in-process and so
 cheaper: test_data.py, test_model.py, test_trainer.py, test_input_properties.py). The

@@ -1,6 +1,6 @@
 """The bookkeeping of bench/search_efficiency.py and bench/overhead.py on hand-made
 timelines: compute counted by every trial up to each report, best-so-far, the time split
-of a trial (the scripts themselves run real searches; see README Results)."""
+of a trial (the scripts themselves run real searches; see docs/bench/)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
 
 
 def test_the_drivers_default_is_the_pair_the_benchmark_ranks_first(se):
-    """Issue 12: the default is the one the benchmark shows best.  The committed
+    """The default is the one the benchmark shows best.  The committed
     docs/search_efficiency.json holds the figures of every measured method and their
     ranking; the ranking is rank_methods' over those figures, and its first is the
     driver's default pair."""

@@ -228,7 +228,7 @@ def test_collate_pads_to_longest_row(tiny_model_dir, tiny_data_dir, tmp_path):
 def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, tiny_data_dir,
                                                               tmp_path):
     """A cache entry written for the same file bytes but another row count (the reader
-    before issue 18 merged the rows after a stray quote) is not served."""
+    before the one-row-per-line reader merged the rows after a stray quote) is not served."""
     import pyarrow.parquet as pq
 
     from mtbert.data import CacheStats, tokenize_cached

@@ -33,7 +33,7 @@ def test_minilm_trains_on_a_slice_of_the_real_data(shared_data_dir, tmp_path):
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [h["examples_seen"] for h in history] == [0, 600, 1200]  # eval_at_start
     assert history[-1]["train/loss_sts"] < history[1]["train/loss_sts"]
-    # issue 13: the siamese / cosine run starts at MiniLM's zero-shot cosine (STS r ~ 0.84
+    # the siamese / cosine run starts at MiniLM's zero-shot cosine (STS r ~ 0.84
     # on this slice) and its QQP head at the fitted cosine threshold, not at chance
     assert history[0]["optimizer_steps"] == 0 and history[0]["val/sts_corr"] > 0.75
     assert history[0]["val/qqp_acc"] > 0.65

@@ -1,4 +1,4 @@
-"""LR schedules (issue 12): the schedule's values at given steps, warm-up in examples, a
+"""LR schedules: the schedule's values at given steps, warm-up in examples, a
 trial continued past a rung (or paused and resumed there) keeps its LR without a jump,
 and a restored trial takes its own config's lr (population-based training)."""
 

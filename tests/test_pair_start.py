@@ -1,4 +1,4 @@
-"""Issue 13: the siamese / cosine path starts where the encoder is.
+"""The siamese / cosine path starts where the encoder is.
 
 The STS cosine maps' fixed points, the QQP head's cosine start (a logistic fit on
 training rows), the evaluation at 0 examples, and the per-module learning-rate groups.
@@ -175,7 +175,7 @@ def test_head_learning_rate_groups(tiny_config, tiny_data, tmp_path, mult):
     # one step on a super-batch of the three tasks: Adam's first update is lr·g/(|g| + eps)
     # ≈ lr per weight with a clear gradient, so the heads move mult times as far as the encoder
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer._train_batches(trainer._next_batches(("sst", "qqp", "sts")))
+    trainer.train_batches(trainer.next_batches(("sst", "qqp", "sts")))
     assert trainer.optimizer_steps == 1
 
     def median_step(names_in):

@@ -1,4 +1,4 @@
-"""The schedulers and searchers besides ASHA + TPE (issue 12): BOHB, PBT, PB2, Optuna's
+"""The schedulers and searchers besides ASHA + TPE: BOHB, PBT, PB2, Optuna's
 multivariate TPE.  Each runs a smoke search end to end (real local Ray, real SQLite
 MLflow, the tiny model and data, as tests/test_tune_driver.py); a pair that does not
 work together and a missing optional package are one ``error:`` line, exit 2, nothing

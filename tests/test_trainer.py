@@ -155,7 +155,7 @@ def test_soft_scores_are_the_models_gold_class_probabilities_row_by_row(tiny_con
 @pytest.mark.parametrize("schedule,update,extra,stop_after", [
     ("random_order", "per_task", {}, 2),
     ("sqrt", "summed", {}, 2),
-    # issue 13: learned cosine map, fitted QQP cosine start, faster heads; a resumed run
+    # learned cosine map, fitted QQP cosine start, faster heads; a resumed run
     # does not evaluate at 0 again (with a report callback the 0-example evaluation has
     # no checkpoint: the first one to resume from is the first trained one)
     ("random_order", "per_task", {"pair_encoding": "siamese", "sts_head": "cosine",

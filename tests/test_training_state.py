@@ -1,5 +1,5 @@
 """The checkpoint layout (weights apart from the optimizer state, each tensor once) and
-the background checkpoint writer (issue 19)."""
+the background checkpoint writer."""
 
 from __future__ import annotations
 

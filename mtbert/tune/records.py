@@ -31,7 +31,7 @@ DEFAULT_RUNG_METRIC = "overall_soft"
 #: first rung on the classifiers' probabilities and its later rungs on overall_soft -- at
 #: the bench's first rung (224 examples) STS r ranks the configurations no better than
 #: chance, at the second (672) it carries signal; bench/search_efficiency.py ranks this
-#: pair first (README)
+#: pair first (docs/bench/search_efficiency.md)
 PER_RUNG_DEFAULTS = {"asha-promote": "classes_soft,overall_soft"}
 
 

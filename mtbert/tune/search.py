@@ -51,7 +51,7 @@ from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
 
 #: the default search: promoting ASHA (deciding on records.default_rung_metric) + Optuna's
 #: independent TPE, what bench/search_efficiency.py ranks first among the pairs it measured
-#: over 3 seeds (README "Search efficiency")
+#: over 3 seeds (docs/bench/search_efficiency.md)
 DEFAULT_SCHEDULER = "asha-promote"
 DEFAULT_SEARCHER = "optuna"
 SCHEDULERS = ("asha", "asha-promote", "fifo", "bohb", "pbt", "pb2")
@@ -239,9 +239,10 @@ def _per_rung(rung_metric: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def last_leg_cpus(settings, max_concurrent: int) -> float:
-    """The CPUs ``asha-promote`` gives the trial it promotes last (README, "Promoting
-    ASHA"): every place's, on one machine with CPU trials; on a cluster (``--address``) a
-    trial's CPUs stay on one node and GPU trials gain nothing from threads: 0, unchanged."""
+    """The CPUs ``asha-promote`` gives the trial it promotes last
+    (docs/bench/search_efficiency.md, "Promoting ASHA"): every place's, on one machine with
+    CPU trials; on a cluster (``--address``) a trial's CPUs stay on one node and GPU trials
+    gain nothing from threads: 0, unchanged."""
     if settings.address or settings.gpus_per_trial:
         return 0.0
     return max_concurrent * settings.cpus_per_trial
