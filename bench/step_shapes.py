@@ -1,15 +1,17 @@
 """What each batch shape costs a trainer step: ``python bench/step_shapes.py``.
 
-Runs the real trainer's schedule (``Trainer._next_batches`` + ``_train_batches``) step by
+Runs the real trainer's schedule (``Trainer.next_batches`` + ``train_batches``) step by
 step for ``--seconds`` and times every step with its batch shapes (task, rows, padded
 length).  A step on a shape not met before pays the shape's one-off costs: cuDNN /
 attention plans in eager mode, compilation and graph capture under ``--compile``.  It
 prints the steps that met a new shape (and every 50th), then a summary: distinct shapes,
 the time spent on first-of-a-shape steps, and the median step and examples/s on shapes
 already met.  This is how the H100's ``compile=reduce-overhead`` was found to cost
-18-27 s per new shape (README, "On one H100").
+18-27 s per new shape (docs/bench/throughput.md), and how captured step graphs
+(``--step-mode graphs``) are seen to pay a capture once per shape.
 
     python bench/step_shapes.py --device cuda --compile reduce-overhead --seconds 110
+    python bench/step_shapes.py --device cuda --step-mode graphs --seconds 60
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # its sibling throughput.py, also when loaded by path
 
 from mtbert.config import TrainConfig  # noqa: E402
-from mtbert.data import load_data  # noqa: E402
+from mtbert.data import load_data, real_rows  # noqa: E402
 from mtbert.trainer import Trainer  # noqa: E402
 from throughput import synchronize  # noqa: E402
 
@@ -76,28 +78,33 @@ def run(args) -> dict:
     cfg = TrainConfig.from_dict(dict(
         model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
         device=args.device, threads=args.threads, progress=False, eval_dev=False,
-        pad_lengths=args.pad_lengths, compile=args.compile))
+        pad_lengths=args.pad_lengths, compile=args.compile, step_mode=args.step_mode))
     trainer = Trainer(cfg, load_data(cfg), Path(tempfile.mkdtemp(prefix="mtbert-shapes-")),
                       checkpoints=False)
     device = trainer.device
     plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
     log, started = StepLog(), time.perf_counter()
     for i, group in enumerate(plan):
-        batches = trainer._next_batches(group)
+        batches = trainer.next_batches(group)
         shapes = batch_shapes(batches)
         synchronize(device)
         t = time.perf_counter()
-        trainer._train_batches(batches)
+        trainer.train_batches(batches)
         synchronize(device)
         seconds = time.perf_counter() - t
-        new = log.add(shapes, seconds, sum(len(b["labels"]) for b in batches.values()))
+        new = log.add(shapes, seconds, sum(real_rows(b) for b in batches.values()))
         if new or i % 50 == 0:
             print(f"step {i:5d} +{time.perf_counter() - started:7.1f}s "
                   f"{'new' if new else 'met'} {1000 * seconds:9.1f} ms  {shapes}", flush=True)
         if time.perf_counter() - started > args.seconds:
             break
     out = log.summary()
-    print(f"{args.device}, compile={args.compile}, pad_lengths={args.pad_lengths}: "
+    if trainer.step_graphs is not None:
+        out.update(trainer.step_graphs.stats.as_metrics())
+        print(f"step graphs: {out['graphs/captured']} captured in {out['graphs/capture_s']:.1f} s; "
+              f"{out['graphs/replayed_steps']} steps replayed, {out['graphs/eager_steps']} eager")
+    print(f"{args.device}, compile={args.compile}, step={args.step_mode}, "
+          f"pad_lengths={args.pad_lengths}: "
           f"{out['steps']} steps, {out['shapes']} shapes; first-of-a-shape steps "
           f"{out['first_of_shape_s']:.1f} s in all (median {out['first_of_shape_median_ms']:.0f} "
           f"ms); steps on shapes met: {out['repeat_steps']}, median "
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
     p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")
+    p.add_argument("--step-mode", choices=("auto", "graphs", "eager"), default="auto")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=60.0, help="stop after this long")

@@ -2,8 +2,8 @@
 
 Two measurements (``--mode``):
 
-* ``trainer`` (default): the real trainer loop (``Trainer._next_batches`` +
-  ``_train_batches``: collate, device copy, the optimizer step of the configured
+* ``trainer`` (default): the real trainer loop (``Trainer.next_batches`` +
+  ``train_batches``: collate, device copy, the optimizer step of the configured
   schedule) in ``--concurrent N`` processes on one device, each with its own Trainer,
   started together. Per process, fixed costs apart from the steady state: start-up
   (process start -> Trainer ready: imports, data from the token cache, model load),
@@ -14,7 +14,7 @@ Two measurements (``--mode``):
   barrier; "together" = all processes' steady examples over the union of their windows.
 * ``tasks``: the optimizer step alone per task at a fixed batch size, with length
   bucketing on and off, and (CPU only) transformers' ``Trainer`` on the same model,
-  data, loss and threads as the reference (the table of README "Training throughput").
+  data, loss and threads as the reference (docs/bench/throughput.md).
 
   python bench/throughput.py [--device cpu|cuda] [--concurrent N] [--steps 12] [--threads 2]
          [--batch-size 32] [--pad-lengths auto|batch|buckets] [--compile none|default|reduce-overhead]
@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mtbert.config import TrainConfig  # noqa: E402
-from mtbert.data import TaskBatcher, collate, encoding_for, load_data  # noqa: E402
+from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,  # noqa: E402
+                         real_rows)
 from mtbert.losses import task_loss  # noqa: E402
 from mtbert.trainer import Trainer  # noqa: E402
 
@@ -84,9 +85,11 @@ def useful_flops(encoder, lengths: np.ndarray) -> float:
 
 
 def batch_lengths(batch: dict[str, torch.Tensor]) -> np.ndarray:
-    """Real tokens per sequence of a host batch."""
+    """Real tokens per sequence of a host batch (a fixed-size batch's filler rows aside)."""
     masks = [v for k, v in batch.items() if k.startswith("attention_mask")]
-    return np.concatenate([m.sum(1).numpy() for m in masks])
+    real = batch.get(ROW_WEIGHTS)
+    keep = np.ones(len(masks[0]), dtype=bool) if real is None else real.numpy() > 0
+    return np.concatenate([m.sum(1).numpy()[keep] for m in masks])
 
 
 # ------------------------------------------------------------------ mode: trainer
@@ -115,11 +118,11 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
             if count_syncs and device.type == "cuda":  # each host sync of the steps warns
                 torch.cuda.set_sync_debug_mode("warn")
             for group in groups:
-                batches = trainer._next_batches(group)
+                batches = trainer.next_batches(group)
                 for batch in batches.values():
-                    examples += len(batch["labels"])
+                    examples += real_rows(batch)
                     flops += useful_flops(trainer.model.encoder, batch_lengths(batch))
-                trainer._train_batches(batches)
+                trainer.train_batches(batches)
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
         syncs.extend(str(w.message).splitlines()[0] for w in caught
@@ -129,8 +132,11 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
         return examples, flops, started, time.time()
 
     _, _, w0, w1 = run(plan[:warmup])
+    graphs = trainer.step_graphs
+    before = dict(graphs.stats.as_metrics()) if graphs is not None else {}
     barrier.wait()
     examples, flops, s0, s1 = run(plan[warmup:], count_syncs=True)
+    after = graphs.stats.as_metrics() if graphs is not None else {}
     barrier.wait()
     rows = sum(len(data.split(t, "val")) for t in TASKS)
     timings = []
@@ -144,6 +150,8 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
                  "examples": examples, "flops": flops, "steady_start": s0, "steady_end": s1,
                  "val_rows": rows, "eval_first_s": timings[0], "eval_s": timings[1],
                  "device": str(device), "static_max_length": trainer.static_max_length,
+                 "step_mode": "graphs" if graphs is not None else "eager",
+                 "graphs_after_warmup": before, "graphs_after_steady": after,
                  "host_syncs": len(syncs) if device.type == "cuda" else None,
                  "sync_examples": sorted(set(syncs))[:3]})
 
@@ -153,8 +161,9 @@ def bench_trainer(args, peak: float) -> list[dict]:
     threads = max(1, args.threads // n)  # the host's threads, shared by the processes
     config = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
                   device=args.device, threads=threads, progress=False, eval_dev=False,
-                  pad_lengths=args.pad_lengths, compile=args.compile,
-                  eval_batch_size=args.eval_batch_size, max_eval_per_task=args.eval_rows)
+                  pad_lengths=args.pad_lengths, compile=args.compile, step_mode=args.step_mode,
+                  eval_batch_size=args.eval_batch_size, max_eval_per_task=args.eval_rows,
+                  **settings_from(args.set))
     TrainConfig.from_dict(config)  # bad values fail here, before any process starts
     settings = {"config": config, "threads": threads, "warmup": args.warmup, "steps": args.steps}
     ctx = mp.get_context("spawn")
@@ -170,7 +179,8 @@ def bench_trainer(args, peak: float) -> list[dict]:
     print(f"{n} trainer process(es) on {rows[0]['device']}, {threads} thread(s) each, batch "
           f"{args.batch_size}, pad_lengths={args.pad_lengths} (static max length "
           f"{rows[0]['static_max_length'] or 'off'}), compile={args.compile}, "
-          f"{args.warmup} warm-up + {args.steps} steady schedule steps")
+          f"step={rows[0]['step_mode']}, {args.warmup} warm-up + {args.steps} steady schedule "
+          f"steps{', ' + ' '.join(args.set) if args.set else ''}")
     print(f"{'proc':>4} {'start-up s':>10} {'warm-up s':>9} {'ex/s':>8} {'GFLOP/s':>8} {'MFU':>6} "
           f"{'eval 1st s':>10} {'val rows/s':>10}")
     for r in rows:
@@ -184,6 +194,14 @@ def bench_trainer(args, peak: float) -> list[dict]:
     window = max(r["steady_end"] for r in rows) - min(r["steady_start"] for r in rows)
     total = sum(r["examples"] for r in rows) / window
     gflops = sum(r["flops"] for r in rows) / window / 1e9
+    for r in rows:
+        if r["step_mode"] == "graphs":
+            w, s = r["graphs_after_warmup"], r["graphs_after_steady"]
+            print(f"  proc {r['rank']} graphs: {s['graphs/shapes']} (task, shape)s met, "
+                  f"{s['graphs/captured']} graphs captured in {s['graphs/capture_s']:.1f} s "
+                  f"({w['graphs/captured']} by the end of the warm-up); steady steps "
+                  f"{s['graphs/replayed_steps'] - w['graphs/replayed_steps']} replayed, "
+                  f"{s['graphs/eager_steps'] - w['graphs/eager_steps']} eager")
     if rows[0]["host_syncs"] is not None:
         print(f"host synchronisations in the steady steps (torch.cuda sync debug mode): "
               f"{[r['host_syncs'] for r in rows]} {rows[0]['sync_examples']}")
@@ -198,20 +216,32 @@ def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmu
     enc = trainer.encodings[task]
     batcher = TaskBatcher(split, trainer.cfg.batch_size, enc, seed=0, bucketing=bucketing,
                           bucket_batches=trainer.cfg.bucket_batches)
+    rows = trainer.cfg.batch_size if trainer.static_max_length else 0
     batches = [collate(split, batcher.next_batch(), enc, trainer.data.pad_id,
-                       trainer.static_max_length) for _ in range(warmup + steps)]
+                       trainer.static_max_length, rows) for _ in range(warmup + steps)]
     for b in batches[:warmup]:
-        trainer._train_batches({task: b})
+        trainer.train_batches({task: b})
     synchronize(trainer.device)
     t = time.perf_counter()
     for b in batches[warmup:]:
-        trainer._train_batches({task: b})
+        trainer.train_batches({task: b})
     synchronize(trainer.device)
     seconds = time.perf_counter() - t
     trainer._check_losses()
-    examples = sum(len(b["labels"]) for b in batches[warmup:])
+    examples = sum(real_rows(b) for b in batches[warmup:])
     flops = sum(useful_flops(trainer.model.encoder, batch_lengths(b)) for b in batches[warmup:])
     return examples / seconds, flops / seconds
+
+
+def settings_from(pairs: list[str]) -> dict[str, str]:
+    """``--set key=value`` pairs as a dict (TrainConfig.from_dict coerces and checks them)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --set {pair!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
 
 
 class _TaskModule(torch.nn.Module):
@@ -356,11 +386,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2,
                    help="host CPU threads, split among the --concurrent processes")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--eval-batch-size", type=int, default=0,
+                   help="validation rows per batch (0 = auto: 128 on a CPU, 1,024 on a GPU)")
     p.add_argument("--eval-rows", type=int, default=0,
                    help="validation rows per task to score (0 = the whole split)")
     p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")
     p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
+    p.add_argument("--step-mode", choices=("auto", "graphs", "eager"), default="auto",
+                   help="trainer mode: captured CUDA graphs of the step or eager steps (auto: "
+                        "graphs on CUDA)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="trainer mode: another TrainConfig field, e.g. smart_lambda_sst=1 "
+                        "(repeatable)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers Trainer reference")
     p.add_argument("--json", help="also write the trainer-mode rows to this file")
     args = p.parse_args()

@@ -106,9 +106,10 @@ class TrainConfig:
     batch_size_sst: int = field(default=0, metadata=_meta("SST batch size (0 = batch_size)", low=0))
     batch_size_qqp: int = field(default=0, metadata=_meta("QQP batch size (0 = batch_size)", low=0))
     batch_size_sts: int = field(default=0, metadata=_meta("STS batch size (0 = batch_size)", low=0))
-    eval_batch_size: int = field(default=128, metadata=_meta("evaluation batch size", low=1))
+    eval_batch_size: int = field(default=0, metadata=_meta(
+        "evaluation batch size in rows (0 = auto: 128 on a CPU, 1,024 on a GPU)", low=0))
     eval_batch_tokens: int = field(default=0, metadata=_meta(
-        "padded tokens per evaluation batch at most (0 = auto: 1,024 on a CPU, no cap on a GPU)",
+        "padded tokens per evaluation batch at most (0 = auto: 1,024 on a CPU, 65,536 on a GPU)",
         low=0))
     lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate of the encoder",
                                                    low=0.0, high=1.0, low_open=True))
@@ -197,6 +198,12 @@ class TrainConfig:
     compile: Literal["none", "default", "reduce-overhead"] = field(default="none", metadata=_meta(
         "torch.compile the model: none (eager), default (inductor kernels), reduce-overhead "
         "(inductor + CUDA graphs; CUDA only)"))
+    step_mode: Literal["auto", "graphs", "eager"] = field(default="auto", metadata=_meta(
+        "graphs: each training step's forward, loss, SMART and backward per (task, batch "
+        "shape), and the optimizer update, captured once as CUDA graphs and replayed (CUDA "
+        "only; fixed batch shapes); eager: every kernel launched from Python; auto = graphs "
+        "where the device is CUDA, compile is none and pcgrad is off (its per-task backwards "
+        "run eager), else eager"))
     progress: bool = field(default=True, metadata=_meta("print progress lines"))
 
     # ------------------------------------------------------------------
@@ -254,6 +261,13 @@ class TrainConfig:
         if self.pcgrad and self.update != "summed":
             raise ConfigError("pcgrad=true needs update=summed (one super-batch per step)",
                               key="pcgrad")
+        if self.step_mode == "graphs" and (self.pcgrad or self.compile != "none"
+                                           or self.pad_lengths == "batch"):
+            clash = ("pcgrad=true" if self.pcgrad else f"compile={self.compile}"
+                     if self.compile != "none" else "pad_lengths=batch")
+            raise ConfigError(f"step_mode=graphs cannot run with {clash} (graphs need static "
+                              "batch shapes, one backward per task batch and no torch.compile); "
+                              "use step_mode=auto or eager", key="step_mode")
 
 
 @functools.cache

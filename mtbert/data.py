@@ -479,9 +479,18 @@ class TaskBatcher:
         self._batches = self._make_pass(self.pass_index)
 
 
-#: static padded lengths (``pad_lengths=buckets``): multiples of 16 up to 64, then steps of
-#: at most 1.5x; a batch is padded up to the first one that holds its longest row
-STATIC_LENGTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+#: static padded lengths (``pad_lengths=buckets``): a batch is padded up to the first that
+#: holds its longest row.  Few lengths = few shapes (each costs a CUDA graph capture, see
+#: step_graphs.py).  Measured on the real training files (batches of 32, length-bucketed),
+#: padded tokens / real tokens: cross-encoded 1.47-1.64x with 32/64/128 against 1.32-1.36x
+#: with the six lengths 16..128 (1.04-1.05x at the batch's longest); siamese 1.97-2.17x
+#: against 1.43-1.44x.  A GPU step of 32 rows is bound by kernel launches, not by these
+#: tokens, so three shapes per task win (docs/bench/step_graphs.md)
+STATIC_LENGTHS = (32, 64, 128, 256, 512)
+
+#: the batch key holding each row's weight in a fixed-size batch: 1 for a real row, 0 for a
+#: filler row (``collate(..., rows=n)``); losses, SMART divergences and metrics weigh by it
+ROW_WEIGHTS = "row_weights"
 
 
 def static_length(longest: int, max_length: int) -> int:
@@ -494,24 +503,34 @@ def static_length(longest: int, max_length: int) -> int:
     return max(longest, max_length)
 
 
-def _pad(rows: list[np.ndarray], pad_id: int, static_max_length: int = 0,
+def _pad(rows: list[np.ndarray], pad_id: int, width: int, num_rows: int = 0,
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(rows), width]`` ids and mask; width = the longest row, or with
-    ``static_max_length`` its :func:`static_length` (few distinct shapes)."""
+    """``[num_rows or len(rows), width]`` ids and mask.  Filler rows past ``len(rows)`` hold
+    one attended ``pad_id`` token (so attention and mean pooling stay finite)."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    width = int(lengths.max())
-    if static_max_length:
-        width = static_length(width, static_max_length)
+    if num_rows > len(rows):
+        lengths = np.concatenate([lengths, np.ones(num_rows - len(rows), dtype=np.int64)])
+        rows = [*rows, *([np.full(1, pad_id, dtype=np.int32)] * (num_rows - len(rows)))]
     mask = np.arange(width) < lengths[:, None]
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     ids[mask] = np.concatenate(rows)  # row-major: row i's tokens fill its first lengths[i] slots
     return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
+def _width(rows: list[np.ndarray], static_max_length: int) -> int:
+    longest = max(len(r) for r in rows)
+    return static_length(longest, static_max_length) if static_max_length else longest
+
+
 def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
-            static_max_length: int = 0) -> dict[str, torch.Tensor]:
+            static_max_length: int = 0, rows: int = 0) -> dict[str, torch.Tensor]:
     """Padded tensors for the rows ``indices``: padding to the batch's longest row, or with
-    ``static_max_length`` (``pad_lengths=buckets``) up to its :func:`static_length`.
+    ``static_max_length`` (``pad_lengths=buckets``) up to its :func:`static_length` (both
+    siamese sides to one length, so each task meets one shape per static length).
+
+    ``rows``: a fixed batch size; a batch of fewer rows gets filler rows (one attended pad
+    token, label 0) and every batch gets ``row_weights`` (:data:`ROW_WEIGHTS`), 0 on the
+    fillers, so one shape serves every batch of the task.
 
     Keys: single -> ``input_ids, attention_mask``; cross -> also ``token_type_ids``;
     siamese -> ``input_ids_a, attention_mask_a, input_ids_b, attention_mask_b``;
@@ -519,21 +538,39 @@ def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
     """
     tok = split.tokens
     static = static_max_length
+    n = max(rows, len(indices))
     batch: dict[str, torch.Tensor] = {}
     if encoding == "single":
-        batch["input_ids"], batch["attention_mask"] = _pad([tok.a[i] for i in indices], pad_id, static)
+        seqs = [tok.a[i] for i in indices]
+        batch["input_ids"], batch["attention_mask"] = _pad(seqs, pad_id, _width(seqs, static), n)
     elif encoding == "cross":
-        batch["input_ids"], batch["attention_mask"] = _pad([tok.pair[i] for i in indices], pad_id,
-                                                           static)
-        batch["token_type_ids"], _ = _pad([tok.pair_types[i] for i in indices], 0, static)
+        seqs = [tok.pair[i] for i in indices]
+        width = _width(seqs, static)
+        batch["input_ids"], batch["attention_mask"] = _pad(seqs, pad_id, width, n)
+        batch["token_type_ids"], _ = _pad([tok.pair_types[i] for i in indices], 0, width, n)
     else:
-        batch["input_ids_a"], batch["attention_mask_a"] = _pad([tok.a[i] for i in indices], pad_id,
-                                                               static)
-        batch["input_ids_b"], batch["attention_mask_b"] = _pad([tok.b[i] for i in indices], pad_id,
-                                                               static)
+        a, b = [tok.a[i] for i in indices], [tok.b[i] for i in indices]
+        width_a, width_b = _width(a, static), _width(b, static)
+        if static:
+            width_a = width_b = max(width_a, width_b)
+        batch["input_ids_a"], batch["attention_mask_a"] = _pad(a, pad_id, width_a, n)
+        batch["input_ids_b"], batch["attention_mask_b"] = _pad(b, pad_id, width_b, n)
     if split.labels is not None:
-        batch["labels"] = torch.from_numpy(np.asarray(split.labels[indices]))
+        labels = np.asarray(split.labels[indices])
+        if n > len(indices):
+            labels = np.concatenate([labels, np.zeros(n - len(indices), dtype=labels.dtype)])
+        batch["labels"] = torch.from_numpy(labels)
+    if rows:
+        weights = np.zeros(n, dtype=np.float32)
+        weights[:len(indices)] = 1.0
+        batch[ROW_WEIGHTS] = torch.from_numpy(weights)
     return batch
+
+
+def real_rows(batch: dict[str, torch.Tensor]) -> int:
+    """The rows of a host batch that are data (filler rows of a fixed-size batch aside)."""
+    weights = batch.get(ROW_WEIGHTS)
+    return len(batch["labels"]) if weights is None else int(weights.sum())
 
 
 #: padded tokens per evaluation batch on a CPU when ``eval_batch_tokens`` is 0 (auto).
@@ -541,15 +578,26 @@ def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
 #: long tail: scoring bench/search_efficiency.py's 3 x 300 validation rows took 9.6 s at
 #: 128 rows a batch, 6.7 s at 1,024 tokens (MiniLM, one thread; 1,024 to 2,048 alike)
 EVAL_TOKENS_CPU = 1024
+#: ... and on a GPU, where a batch must be large to fill the chip: 1,024 rows and at most
+#: 65,536 padded tokens (MiniLM's activations for that are ~0.2 GB in bf16)
+EVAL_ROWS_GPU, EVAL_TOKENS_GPU = 1024, 65536
+EVAL_ROWS_CPU = 128
 
 
 def eval_token_cap(eval_batch_tokens: int, device_type: str) -> int:
-    """The padded-token cap of evaluation batches (0 = none): the configured one, or for
-    0 (auto) :data:`EVAL_TOKENS_CPU` on a CPU and none on an accelerator, whose batches
-    ``eval_batch_size`` rows fill better."""
+    """The padded-token cap of evaluation batches: the configured one, or for 0 (auto)
+    :data:`EVAL_TOKENS_CPU` on a CPU and :data:`EVAL_TOKENS_GPU` on an accelerator."""
     if eval_batch_tokens:
         return eval_batch_tokens
-    return EVAL_TOKENS_CPU if device_type == "cpu" else 0
+    return EVAL_TOKENS_CPU if device_type == "cpu" else EVAL_TOKENS_GPU
+
+
+def eval_rows(eval_batch_size: int, device_type: str) -> int:
+    """Rows per evaluation batch: the configured ``eval_batch_size``, or for 0 (auto)
+    :data:`EVAL_ROWS_CPU` on a CPU and :data:`EVAL_ROWS_GPU` on an accelerator."""
+    if eval_batch_size:
+        return eval_batch_size
+    return EVAL_ROWS_CPU if device_type == "cpu" else EVAL_ROWS_GPU
 
 
 def eval_batches(split: Split, batch_size: int, encoding: str, max_tokens: int = 0):

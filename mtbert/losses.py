@@ -26,30 +26,49 @@ from mtbert.config import TrainConfig
 from mtbert.model import COSINE_MAPS, TaskOutput
 
 
-def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The mean of per-row ``values`` over the rows of weight 1 (a fixed-size batch's filler
+    rows weigh 0: the same value, and gradient, as the batch without them)."""
+    if weights is None:
+        return values.mean()
+    weights = weights.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The task's loss, a mean over the batch's rows (``weights``: 0 for filler rows)."""
     if task == "sst":
-        return F.cross_entropy(out.logits.float(), labels.long())
-    if task == "qqp":
-        return F.binary_cross_entropy_with_logits(out.logits.float(), labels.float())
-    return sts_loss(out, labels.float(), cfg)
+        rows = F.cross_entropy(out.logits.float(), labels.long(), reduction="none")
+    elif task == "qqp":
+        rows = F.binary_cross_entropy_with_logits(out.logits.float(), labels.float(),
+                                                  reduction="none")
+    else:
+        return sts_loss(out, labels.float(), cfg, weights)
+    return weighted_mean(rows, weights)
 
 
-def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    def mse(score: torch.Tensor) -> torch.Tensor:
+        return weighted_mean((score.float() - y) ** 2, weights)
     kind = cfg.sts_loss
     if kind == "mse":
-        return F.mse_loss(out.score.float(), y)
+        return mse(out.score)
     if kind == "ce_bins":
-        return F.cross_entropy(out.logits.float(), y.round().long())
-    head_mse = F.mse_loss(out.score.float(), y) if cfg.sts_head == "regression" else 0.0
+        return weighted_mean(F.cross_entropy(out.logits.float(), y.round().long(),
+                                             reduction="none"), weights)
+    head_mse = mse(out.score) if cfg.sts_head == "regression" else 0.0
     if kind == "cosine_mse":
         cos_score = out.cos_score
         if cos_score is None:  # an output built without the model: the map's starting (s, t)
             scale, shift = COSINE_MAPS[cfg.sts_cosine_map]
             cos_score = scale * F.cosine_similarity(out.u.float(), out.v.float(), dim=-1) + shift
-        return F.mse_loss(cos_score.float(), y) + head_mse
+        return mse(cos_score) + head_mse
     if kind == "cosine_embedding":
         target = torch.where(y >= 2.5, 1.0, -1.0)
-        return F.cosine_embedding_loss(out.u.float(), out.v.float(), target) + head_mse
+        rows = F.cosine_embedding_loss(out.u.float(), out.v.float(), target, reduction="none")
+        return weighted_mean(rows, weights) + head_mse
     raise ValueError(f"unknown sts_loss {kind!r}")
 
 

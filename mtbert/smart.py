@@ -37,6 +37,7 @@ when μ = 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -45,6 +46,8 @@ from torch import nn
 from torch.func import functional_call
 
 from mtbert.config import TASKS, TrainConfig
+from mtbert.data import ROW_WEIGHTS
+from mtbert.losses import weighted_mean
 from mtbert.model import TaskOutput
 
 _TINY = 1e-12
@@ -56,23 +59,26 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def symmetric_kl_logits(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+def symmetric_kl_logits(p_logits: torch.Tensor, q_logits: torch.Tensor,
+                        weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over rows of KL(P‖Q) + KL(Q‖P), P = softmax(p), Q = softmax(q) (001 eq. 8).
     Written as Σ_k (P_k − Q_k)(log P_k − log Q_k): every term is ≥ 0."""
     lp, lq = F.log_softmax(_wide(p_logits), -1), F.log_softmax(_wide(q_logits), -1)
-    return ((lp.exp() - lq.exp()) * (lp - lq)).sum(-1).mean()
+    return weighted_mean(((lp.exp() - lq.exp()) * (lp - lq)).sum(-1), weights)
 
 
-def symmetric_kl_bernoulli(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def symmetric_kl_bernoulli(a: torch.Tensor, b: torch.Tensor,
+                           weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of KL + reverse KL between Bernoulli(σ(a)) and Bernoulli(σ(b)).
     Since log σ(z) − log σ(−z) = z, the four log terms collapse to (σ(a) − σ(b))·(a − b)."""
     a, b = _wide(a), _wide(b)
-    return ((torch.sigmoid(a) - torch.sigmoid(b)) * (a - b)).mean()
+    return weighted_mean((torch.sigmoid(a) - torch.sigmoid(b)) * (a - b), weights)
 
 
-def squared_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def squared_error(a: torch.Tensor, b: torch.Tensor,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of (a − b)² (ℓ_s for regression, 004 §4.3)."""
-    return (_wide(a) - _wide(b)).pow(2).mean()
+    return weighted_mean((_wide(a) - _wide(b)).pow(2), weights)
 
 
 def smart_output(task: str, out: TaskOutput) -> torch.Tensor:
@@ -80,13 +86,15 @@ def smart_output(task: str, out: TaskOutput) -> torch.Tensor:
     return out.score if task == "sts" else out.logits
 
 
-def divergence(task: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """ℓ_s for ``task`` on two ``smart_output`` tensors (symmetric in p, q)."""
+def divergence(task: str, p: torch.Tensor, q: torch.Tensor,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """ℓ_s for ``task`` on two ``smart_output`` tensors (symmetric in p, q), a mean over the
+    rows (``weights``: 0 for a fixed-size batch's filler rows)."""
     if task == "sst":
-        return symmetric_kl_logits(p, q)
+        return symmetric_kl_logits(p, q, weights)
     if task == "qqp":
-        return symmetric_kl_bernoulli(p, q)
-    return squared_error(p, q)
+        return symmetric_kl_bernoulli(p, q, weights)
+    return squared_error(p, q, weights)
 
 
 # ---------------------------------------------------------------------- RNG replay
@@ -100,6 +108,25 @@ def _set_rng_state(state) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+class EagerRngReplay:
+    """Replays the clean forward's random numbers by saving torch's RNG state before it and
+    setting it again around each replaying forward (host copies of the state: eager only;
+    :class:`mtbert.step_graphs.GraphRngReplay` is the capturable twin)."""
+
+    def remember(self, device: torch.device):
+        return _rng_state(device)
+
+    @contextlib.contextmanager
+    def replay(self, remembered):
+        """Run the block on the remembered stream; the global stream is left as it was."""
+        after = _rng_state(remembered[2])
+        _set_rng_state(remembered)
+        try:
+            yield
+        finally:
+            _set_rng_state(after)
 
 
 def _batch_device(batch: dict[str, torch.Tensor]) -> torch.device:
@@ -127,6 +154,7 @@ class SmartRegulariser:
                             if p.requires_grad}
         self._busy = False
         self._seen: tuple | None = None  # (task, batch, rng state before that forward)
+        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
         self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
 
     # -------------------------------------------------------------- hooks / state
@@ -138,7 +166,7 @@ class SmartRegulariser:
         task = args[0] if args else kwargs.get("task")
         batch = args[1] if len(args) > 1 else kwargs.get("batch")
         if isinstance(batch, dict) and batch:
-            self._seen = (task, batch, _rng_state(_batch_device(batch)))
+            self._seen = (task, batch, self.rng.remember(_batch_device(batch)))
         return None
 
     def state_dict(self) -> dict:
@@ -192,30 +220,30 @@ class SmartRegulariser:
         dropout masks of the clean forward when ``rng`` is known, leaving the global RNG as
         it was."""
         self._busy = True
-        after = _rng_state(_batch_device(batch)) if rng is not None else None
         try:
-            if rng is not None:
-                _set_rng_state(rng)
-            if params is None:
-                return model(task, batch, embeds=embeds)
-            return functional_call(model, params, (task, batch), {"embeds": embeds})
+            with self.rng.replay(rng) if rng is not None else contextlib.nullcontext():
+                if params is None:
+                    return model(task, batch, embeds=embeds)
+                return functional_call(model, params, (task, batch), {"embeds": embeds})
         finally:
-            if after is not None:
-                _set_rng_state(after)
             self._busy = False
+
+    def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
+        """ν ~ N(0, σ² I) shaped like the embeddings ``x``, from torch's global RNG."""
+        return torch.randn_like(x) * self.noise_std
 
     def perturbation(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
                      clean: TaskOutput, rng=None) -> tuple[dict, dict]:
         """The embeddings x (detached) and the adversarial δ with ‖δ‖∞ ≤ ε (Algorithm 1)."""
         x = {k: e.detach() for k, e in model.embed_inputs(task, batch).items()}
         masks = {k: batch[_MASK_KEY[k]].unsqueeze(-1).to(x[k].dtype) for k in x}
-        # ν ~ N(0, σ² I) from torch's global RNG, real tokens only
-        delta = {k: torch.randn_like(x[k]) * self.noise_std * masks[k] for k in x}
+        delta = {k: self.initial_noise(x[k]) * masks[k] for k in x}  # real tokens only
         target = smart_output(task, clean).detach()
+        weights = batch.get(ROW_WEIGHTS)
         for _ in range(self.steps):
             delta = {k: d.requires_grad_(True) for k, d in delta.items()}
             out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
-            div = divergence(task, smart_output(task, out), target)
+            div = divergence(task, smart_output(task, out), target, weights)
             keys = list(delta)
             grads = torch.autograd.grad(div, [delta[k] for k in keys], allow_unused=True)
             grads = {k: (g if g is not None else torch.zeros_like(delta[k]))
@@ -238,14 +266,16 @@ class SmartRegulariser:
     def divergence_at(self, model, task, batch, clean, x, delta, rng=None) -> torch.Tensor:
         """ℓ_s(f(x + δ; θ), f(x; θ)) for a given perturbation δ."""
         out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
-        return divergence(task, smart_output(task, out), smart_output(task, clean))
+        return divergence(task, smart_output(task, out), smart_output(task, clean),
+                          batch.get(ROW_WEIGHTS))
 
     def bregman(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
                 clean: TaskOutput, rng=None) -> torch.Tensor:
         """D_Breg(θ, θ̃) = ℓ_s(f(x; θ), f(x; θ̃)) (004 eq. 6); the teacher runs under no_grad."""
         with torch.no_grad():
             out = self._forward(model, task, batch, rng, params=self.teacher)
-        return divergence(task, smart_output(task, clean), smart_output(task, out).detach())
+        return divergence(task, smart_output(task, clean), smart_output(task, out).detach(),
+                          batch.get(ROW_WEIGHTS))
 
 
 def build_regulariser(cfg: TrainConfig, model) -> SmartRegulariser | None:

@@ -34,8 +34,8 @@ import torch
 
 from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig, coerce_value, read_yaml_file
-from mtbert.data import (MultitaskData, Split, TaskBatcher, collate, encoding_for, eval_batches,
-                         eval_token_cap)
+from mtbert.data import (ROW_WEIGHTS, MultitaskData, Split, TaskBatcher, collate, encoding_for,
+                         eval_batches, eval_rows, eval_token_cap, real_rows)
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
@@ -44,6 +44,7 @@ from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
+from mtbert.step_graphs import StepGraphs, graphs_wanted
 from mtbert.tasks import TASK_NAMES, TASKS
 from mtbert.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, CheckpointWriter,
                                    HostCopy, encoder_config_json, folder_bytes,
@@ -147,6 +148,11 @@ class Trainer:
                                                    and self.device.type == "cuda")
         self.static_max_length = data.max_length if buckets else 0
         self.eval_max_tokens = eval_token_cap(cfg.eval_batch_tokens, self.device.type)
+        self.eval_rows = eval_rows(cfg.eval_batch_size, self.device.type)
+        if cfg.step_mode == "graphs" and self.device.type != "cuda":
+            raise ConfigError(f"step_mode=graphs needs a CUDA device; the device is "
+                              f"{self.device.type} (use step_mode=auto or eager)", key="step_mode")
+        graphs = graphs_wanted(cfg, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -166,7 +172,8 @@ class Trainer:
                                        cfg.epochs, cfg.steps_per_epoch, cfg.round_robin_mode)
         # the fused kernel updates all 22M MiniLM parameters in ~15 ms on one CPU thread,
         # the default for-loop implementation in ~190 ms (a large share of a training step)
-        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, fused=True)
+        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, fused=True,
+                                           capturable=graphs)
         self.configured_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.total_steps, total_examples = self._count_optimizer_steps()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.total_steps,
@@ -193,6 +200,9 @@ class Trainer:
         self._examples_at_start = 0
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+        # step_mode=graphs: the step from captured CUDA graphs (after any restore: it takes
+        # the optimizer's param groups as they are then)
+        self.step_graphs = StepGraphs(self, log=self.log) if graphs else None
         # where this process's time goes (reported as time/*; not kept across a resume):
         # setup = model load, pre-training stage, optimizer, batchers, checkpoint restore
         self.timings = {"setup_s": time.perf_counter() - setup_started, "train_s": 0.0,
@@ -217,7 +227,8 @@ class Trainer:
         if getattr(self.model, "qqp_cosine_start", False):
             from mtbert.cosine_init import fit_qqp_cosine
             fit = fit_qqp_cosine(self.model, data.split("qqp", "train"), cfg.cosine_fit_rows,
-                                 data.pad_id, cfg.eval_batch_size, self.device, cfg.seed)
+                                 data.pad_id, eval_rows(cfg.eval_batch_size, self.device.type),
+                                 self.device, cfg.seed)
             self.log(f"[mtbert] siamese QQP head starts at logit = {fit['a']:.3f}·cos "
                      f"{fit['b']:+.3f} (fitted on {fit['rows']} training rows, accuracy "
                      f"{fit['train_accuracy']:.3f})")
@@ -275,7 +286,8 @@ class Trainer:
         cfg = self.cfg
         self._start = time.perf_counter()
         self._examples_at_start = self.examples_seen
-        self.log(f"[mtbert] device={self.device} schedule={cfg.schedule} update={cfg.update} "
+        self.log(f"[mtbert] device={self.device} step={'graphs' if self.step_graphs else 'eager'} "
+                 f"schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
         try:
             return self._fit()
@@ -292,7 +304,7 @@ class Trainer:
             plan = self._epoch_plan(self.epoch)
             while self.step_in_epoch < len(plan):
                 step_started = time.perf_counter()
-                self._train_batches(self._next_batches(plan[self.step_in_epoch]))
+                self.train_batches(self.next_batches(plan[self.step_in_epoch]))
                 self.timings["train_s"] += time.perf_counter() - step_started
                 self.step_in_epoch += 1
                 self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
@@ -325,22 +337,38 @@ class Trainer:
     def _budget_spent(self) -> bool:
         return bool(self.cfg.max_examples) and self.examples_seen >= self.cfg.max_examples
 
-    def _next_batches(self, group: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-        """The next host batch of each task in ``group`` (advances the batchers)."""
+    def next_batches(self, group: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        """The next host batch of each task in ``group`` (advances the batchers); with static
+        lengths also a fixed row count per task (filler rows of weight 0)."""
         return {task: collate(self.train_splits[task], self.batchers[task].next_batch(),
-                              self.encodings[task], self.data.pad_id, self.static_max_length)
+                              self.encodings[task], self.data.pad_id, self.static_max_length,
+                              rows=self.cfg.task_batch_size(task) if self.static_max_length
+                              else 0)
                 for task in group}
 
-    def _train_batches(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
-        """One schedule step: one optimizer step on the super-batch (``update=summed``) or
-        one per task batch."""
-        batches = {task: self._to_device(batch) for task, batch in batches.items()}
-        if self.cfg.update == "summed":
-            self._optimizer_step(batches)
-        else:
-            for task, batch in batches.items():
-                self._optimizer_step({task: batch})
-        self.examples_seen += sum(len(b["labels"]) for b in batches.values())
+    def train_batches(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
+        """One schedule step on host ``batches``: one optimizer step on the super-batch
+        (``update=summed``) or one per task batch."""
+        examples = sum(real_rows(b) for b in batches.values())
+        steps = [batches] if self.cfg.update == "summed" else [{t: b} for t, b in batches.items()]
+        for step in steps:
+            if self.step_graphs is not None:
+                self._graphed_step(step)
+            else:
+                self._optimizer_step({t: self._to_device(b) for t, b in step.items()})
+        self.examples_seen += examples
+
+    def _graphed_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
+        losses = self.step_graphs.step(batches)
+        self._note_losses(losses)
+        self.lr_scheduler.step()
+        self.optimizer_steps += 1
+
+    def _note_losses(self, losses: dict[str, torch.Tensor]) -> None:
+        lr = self.lr_scheduler.get_last_lr()[0]
+        for task, loss in losses.items():  # no host sync: checked in _check_losses
+            self._pending_losses.append(loss.detach().float())
+            self._pending_where.append((task, self.examples_seen, lr))
 
     def _optimizer_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
         if self.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
@@ -351,14 +379,11 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for task, batch in batches.items():
                 out = self.model(task, batch)
-                loss = task_loss(task, out, batch["labels"], self.cfg)
+                loss = task_loss(task, out, batch["labels"], self.cfg, batch.get(ROW_WEIGHTS))
                 if self.regulariser is not None:
                     loss = loss + self.regulariser.term(self.model, task, batch, out)
                 losses[task] = loss
-        lr = self.lr_scheduler.get_last_lr()[0]
-        for task, loss in losses.items():  # no host sync: checked in _check_losses
-            self._pending_losses.append(loss.detach().float())
-            self._pending_where.append((task, self.examples_seen, lr))
+        self._note_losses(losses)
         weighted = self.loss_combiner.weighted(losses)
         penalty = self.loss_combiner.penalty(self.model)
         self.grad_combiner.backward(weighted, self.model.shared_parameters(), penalty)
@@ -415,6 +440,8 @@ class Trainer:
         # recorded (its report reads the history up to itself)
         self.checkpoint_writer.wait()
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
+        if self.step_graphs is not None:
+            metrics.update(self.step_graphs.stats.as_metrics())
         metrics.update({
             "examples_seen": self.examples_seen, "epoch": self.epoch,
             "optimizer_steps": self.optimizer_steps,
@@ -456,7 +483,7 @@ class Trainer:
         for task in TASK_NAMES:
             split = self.data.split(task, split_name)
             scores = predict_split(self.model, split, self.encodings[task], self.data.pad_id,
-                                   self.cfg.eval_batch_size, self.device, self.autocast,
+                                   self.eval_rows, self.device, self.autocast,
                                    self.static_max_length, sst_probabilities=True,
                                    max_tokens=self.eval_max_tokens)
             pred = scores.argmax(-1) if task == "sst" else scores
@@ -475,7 +502,7 @@ class Trainer:
             split = self.data.split(task, "test")
             if split is not None:
                 predictions[task] = predict_split(self.model, split, self.encodings[task],
-                                                  self.data.pad_id, self.cfg.eval_batch_size,
+                                                  self.data.pad_id, self.eval_rows,
                                                   self.device, self.autocast,
                                                   self.static_max_length,
                                                   max_tokens=self.eval_max_tokens)
@@ -660,16 +687,18 @@ def predict_split(model: MultitaskModel, split: Split, encoding: str, pad_id: in
     ``sst_probabilities``, its 5 class probabilities, rows x 5 --, QQP probability, STS
     score). Batches of ``batch_size`` rows (and ``max_tokens`` padded tokens, if not 0) in
     length order (padded to static lengths with ``static_max_length``); predictions stay
-    on the device until one copy per split."""
+    on the device until one copy per split, and the pass is one autocast region (entering
+    one per batch costs host time a GPU waits for). ``batch_size`` 0: :func:`eval_rows`."""
     model.eval()
     orders, preds = [], []
-    for indices in eval_batches(split, batch_size, encoding, max_tokens):
-        batch = collate(split, indices, encoding, pad_id, static_max_length)
-        batch.pop("labels", None)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    batch_size = eval_rows(batch_size, device.type)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        for indices in eval_batches(split, batch_size, encoding, max_tokens):
+            batch = collate(split, indices, encoding, pad_id, static_max_length)
+            batch.pop("labels", None)
             preds.append(model.predict(split.task, to_device(batch, device),
                                        sst_probabilities=sst_probabilities).float())
-        orders.append(indices)
+            orders.append(indices)
     probabilities = sst_probabilities and split.task == "sst"
     out = np.zeros((len(split), 5) if probabilities else len(split), dtype=np.float64)
     if preds:

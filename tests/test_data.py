@@ -271,8 +271,10 @@ def test_eval_batches_cap_rows_and_padded_tokens_and_cover_each_row_once():
         len(b) * int(lengths[b].max()) for b in eval_batches(split, 128, "single"))
 
 
-def test_eval_token_cap_auto_is_a_cap_on_the_cpu_only():
-    from mtbert.data import EVAL_TOKENS_CPU, eval_token_cap
-    assert eval_token_cap(0, "cpu") == EVAL_TOKENS_CPU
-    assert eval_token_cap(0, "cuda") == 0
+def test_eval_batches_auto_are_small_on_a_cpu_and_large_on_a_gpu():
+    from mtbert.data import (EVAL_ROWS_CPU, EVAL_ROWS_GPU, EVAL_TOKENS_CPU, EVAL_TOKENS_GPU,
+                             eval_rows, eval_token_cap)
+    assert eval_token_cap(0, "cpu") == EVAL_TOKENS_CPU < EVAL_TOKENS_GPU == eval_token_cap(0, "cuda")
     assert eval_token_cap(4096, "cuda") == 4096 and eval_token_cap(512, "cpu") == 512
+    assert eval_rows(0, "cpu") == EVAL_ROWS_CPU < EVAL_ROWS_GPU == eval_rows(0, "cuda")
+    assert eval_rows(64, "cuda") == 64 and eval_rows(7, "cpu") == 7

@@ -18,11 +18,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_static_length_rounds_up_to_few_lengths():
-    assert [static_length(n, 128) for n in (1, 16, 17, 33, 49, 64, 65, 97, 128)] == [
-        16, 16, 32, 48, 64, 64, 96, 128, 128]
-    assert static_length(100, 100) == 100 and static_length(90, 100) == 96
-    assert static_length(97, 100) == 100  # capped at max_length, never below the row
+    assert [static_length(n, 128) for n in (1, 16, 32, 33, 49, 64, 65, 97, 128)] == [
+        32, 32, 32, 64, 64, 64, 128, 128, 128]
+    assert static_length(100, 100) == 100 and static_length(90, 100) == 100
+    assert static_length(50, 100) == 64 and static_length(20, 24) == 24  # capped at max_length
     assert {static_length(n, 512) for n in range(1, 513)} == set(STATIC_LENGTHS)
+    assert len({static_length(n, 128) for n in range(1, 129)}) == 3  # three shapes per task
 
 
 def test_collate_pads_to_static_lengths_and_keeps_the_tokens(tiny_config):

@@ -161,6 +161,9 @@ def test_soft_scores_are_the_models_gold_class_probabilities_row_by_row(tiny_con
     ("random_order", "per_task", {"pair_encoding": "siamese", "sts_head": "cosine",
                                   "head_lr_multiplier": 10.0}, 2),
     ("random_order", "per_task", {"pair_encoding": "siamese", "sts_head": "cosine"}, 3),
+    # fixed-size batches (filler rows) at static lengths, with SMART's noise and replays
+    ("random_order", "per_task", {"pad_lengths": "buckets", "smart_lambda_sst": 1.0,
+                                  "smart_mu": 0.5}, 2),
 ])
 def test_resume_from_checkpoint_is_exact(tiny_config, tmp_path, schedule, update, extra,
                                          stop_after):
