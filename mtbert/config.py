@@ -131,7 +131,7 @@ class TrainConfig:
         "gradient clipping norm (0 = off)", low=0.0))
     seed: int = field(default=0, metadata=_meta("seed of weights, order and dropout", low=0))
 
-    # --- loss combination (issue 3) -------------------------------------
+    # --- loss combination ----------------------------------------------
     loss_weighting: Literal["sum", "fixed", "uncertainty"] = field(default="sum", metadata=_meta(
         "how task losses combine: sum, fixed weights, or learned uncertainty (Kendall 2018)"))
     w_sst: float = field(default=1.0, metadata=_meta("fixed weight of the SST loss", low=0.0))
@@ -140,7 +140,7 @@ class TrainConfig:
     l1_lambda: float = field(default=0.0, metadata=_meta("L1 penalty on the weights", low=0.0))
     l2_lambda: float = field(default=0.0, metadata=_meta("L2 penalty on the weights", low=0.0))
 
-    # --- SMART (issue 3) ------------------------------------------------
+    # --- SMART ---------------------------------------------------------
     smart_lambda_sst: float = field(default=0.0, metadata=_meta(
         "SMART smoothness weight for SST (0 = off)", low=0.0))
     smart_lambda_qqp: float = field(default=0.0, metadata=_meta(
@@ -160,11 +160,11 @@ class TrainConfig:
     smart_beta: float = field(default=0.99, metadata=_meta(
         "EMA momentum of the Bregman teacher", low=0.0, high=1.0))
 
-    # --- gradient surgery (issue 3) -------------------------------------
+    # --- gradient surgery ----------------------------------------------
     pcgrad: bool = field(default=False, metadata=_meta(
         "PCGrad projection of conflicting task gradients (needs update=summed)"))
 
-    # --- pre-training stage (issue 3) -----------------------------------
+    # --- pre-training stage --------------------------------------------
     pretrain: Literal["none", "simcse", "simcse_sup", "qqp"] = field(default="none", metadata=_meta(
         "stage run before multitask fine-tuning"))
     pretrain_examples: int = field(default=2000, metadata=_meta(

@@ -29,7 +29,7 @@ from mtbert.tasks import TASK_NAMES, TASKS, TaskSpec
 
 log = logging.getLogger(__name__)
 
-#: part of every token-cache key: "2" since the reader takes one row per line (issue 18),
+#: part of every token-cache key: "2" since the reader takes one row per line (2026-11),
 #: so a file whose rows the old reader merged is not served its old, shorter token table
 CACHE_VERSION = "2"
 

@@ -102,8 +102,9 @@ class MultitaskModel(nn.Module):
         return cls(load_encoder(cfg.model, cfg.dropout), cfg)
 
     def complete_legacy_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A state dict saved before issue 13 lacks the cosine maps: fill in the values
-        that reproduce its predictions exactly (STS 2.5·(cos + 1); no QQP cosine term)."""
+        """A state dict saved before the cosine maps existed (2026-11) lacks them: fill in
+        the values that reproduce its predictions exactly (STS 2.5·(cos + 1); no QQP cosine
+        term)."""
         legacy = {"sts_cos_scale": 2.5, "sts_cos_shift": 2.5,
                   "qqp_cos_scale": 0.0, "qqp_cos_shift": 0.0}
         own = self.state_dict()

@@ -1,4 +1,4 @@
-"""The GPU-minded training step on CPU (issue 11): no per-step host sync but a NaN run
+"""The GPU-minded training step on CPU: no per-step host sync but a NaN run
 still stops with its reason; static padded lengths train and score like batch padding;
 the compiled model matches eager; compile modes the device cannot run are refused."""
 
