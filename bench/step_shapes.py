@@ -12,6 +12,10 @@ already met.  This is how the H100's ``compile=reduce-overhead`` was found to co
 
     python bench/step_shapes.py --device cuda --compile reduce-overhead --seconds 110
     python bench/step_shapes.py --device cuda --step-mode graphs --seconds 60
+
+``--padding`` prints instead what static lengths cost in padding on the real training
+files: padded tokens over real tokens for a few length ladders, per task and pair
+encoding, with the trainer's length-bucketed batches (no model, no device).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # its sibling throughput.py, also when loaded by path
 
 from mtbert.config import TrainConfig  # noqa: E402
-from mtbert.data import load_data, real_rows  # noqa: E402
+from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows  # noqa: E402
 from mtbert.trainer import Trainer  # noqa: E402
 from throughput import synchronize  # noqa: E402
 
@@ -112,6 +116,40 @@ def run(args) -> dict:
     return out
 
 
+#: the length ladders ``--padding`` compares (the trainer's is data.STATIC_LENGTHS)
+LADDERS = {"longest row": (), "16/32/48/64/96/128": (16, 32, 48, 64, 96, 128),
+           "32/64/128": (32, 64, 128), "24/32/48/64/128": (24, 32, 48, 64, 128)}
+
+
+def padding(args) -> dict:
+    """Padded / real tokens of every ladder over one pass of each task's batches."""
+    cfg = TrainConfig.from_dict(dict(model=args.model, data_dir=args.data_dir, progress=False))
+    data = load_data(cfg)
+    out = {}
+    print(f"padded tokens / real tokens, batches of {args.batch_size}, length-bucketed")
+    print(f"{'task':4} {'encoding':8} " + " ".join(f"{name:>18}" for name in LADDERS))
+    for pair_encoding in ("cross", "siamese"):
+        for task in ("sst", "qqp", "sts"):
+            encoding = encoding_for(task, pair_encoding)
+            if task == "sst" and pair_encoding == "siamese":
+                continue
+            split = data.split(task, "train")
+            lengths = split.lengths(encoding)
+            batches = TaskBatcher(split, args.batch_size, encoding, seed=0)._make_pass(0)
+            real = float(lengths.sum())
+            ratios = {}
+            for name, ladder in LADDERS.items():
+                padded = 0
+                for batch in batches:
+                    longest = int(lengths[batch].max())
+                    width = next((n for n in ladder if n >= longest), longest)
+                    padded += width * args.batch_size
+                ratios[name] = padded / real
+            out[f"{task}/{encoding}"] = ratios
+            print(f"{task:4} {encoding:8} " + " ".join(f"{r:17.2f}x" for r in ratios.values()))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
@@ -123,7 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=60.0, help="stop after this long")
-    return run(p.parse_args(argv))
+    p.add_argument("--padding", action="store_true",
+                   help="print the padding cost of static length ladders on the data instead")
+    args = p.parse_args(argv)
+    return padding(args) if args.padding else run(args)
 
 
 if __name__ == "__main__":

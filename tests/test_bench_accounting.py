@@ -278,6 +278,19 @@ def test_step_shapes_splits_first_of_a_shape_steps_from_repeats(tiny_model_dir,
     assert "steps on shapes met" in capsys.readouterr().out
 
 
+def test_step_shapes_padding_ladders(tiny_model_dir, tiny_data_dir, capsys):
+    """--padding: padded / real tokens of each ladder, never below the batch's longest row
+    (the least padding a batch can have), coarser ladders never below finer ones."""
+    shapes = load("step_shapes")
+    out = shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
+                       "--batch-size", "4", "--padding"])
+    assert set(out) == {"sst/single", "qqp/cross", "sts/cross", "qqp/siamese", "sts/siamese"}
+    for ratios in out.values():
+        assert 1.0 <= ratios["longest row"] <= ratios["16/32/48/64/96/128"]
+        assert ratios["16/32/48/64/96/128"] <= ratios["32/64/128"]
+    assert "padded tokens / real tokens" in capsys.readouterr().out
+
+
 def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path, capsys):
     """--gpus-per-trial: a share of one GPU, refused where torch sees no CUDA GPU; a
     runs.json from before the option (CPU runs) is reused on the CPU only."""

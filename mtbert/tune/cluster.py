@@ -94,10 +94,11 @@ def dashboard_url() -> str | None:
     return url if url.startswith("http") else f"http://{url}"
 
 
-#: at most this many trials share one GPU.  At MiniLM size one trial keeps a GPU only
-#: ~10 % busy (launch-bound: ~35 ms of CPU per step for ~6 ms of GPU work, DESIGN.md),
-#: and 8 trainer processes on one H100 trained ~8,500 ex/s together (measured): packing
-#: is what fills a GPU, and more processes than this mostly queue for its launches
+#: at most this many trials share one GPU.  Measured with graphed steps on one H200
+#: (docs/bench/step_graphs.md): 1 MiniLM trial 11,518 ex/s; 2 / 4 / 8 packed together
+#: 10,403 / 10,511 / 10,508 without CUDA MPS (the GPU takes turns) and 13,866 / 17,407 /
+#: 19,167 with it; 16 with MPS 18,985.  8 is the best measured with MPS and costs nothing
+#: measurable without it, while a search runs more trials at once
 MAX_TRIALS_PER_GPU = 8
 #: GPU memory a trial holds per model parameter: fp32 weights, gradients, AdamW's two
 #: moments and SMART's teacher copy (4 + 4 + 8 + 4 bytes)
