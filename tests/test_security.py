@@ -27,7 +27,7 @@ SOURCES = sorted([*(REPO / "mtbert").rglob("*.py"), REPO / "tune_driver.py",
 DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", REPO / "cluster" / "aws-gpu.yaml",
         REPO / "cluster" / "kuberay-raycluster.yaml", REPO / "mtbert" / "tune" / "__init__.py",
         REPO / "mtbert" / "tune" / "driver.py", REPO / "mtbert" / "tune" / "cluster.py",
-        REPO / "mtbert" / "tune" / "tracking.py"]
+        REPO / "mtbert" / "tune" / "tracking.py", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 # ---------------------------------------------------------------------- code
