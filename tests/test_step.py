@@ -93,14 +93,17 @@ def test_default_pad_lengths_are_batch_padding_on_cpu(tiny_config, tmp_path):
                    tmp_path).static_max_length == cfg.max_length
 
 
-def test_nan_run_stops_at_the_next_evaluation_naming_its_first_bad_step(tiny_config, tmp_path):
+@pytest.mark.parametrize("pad_lengths", ["batch", "buckets"])  # buckets: fixed-size batches
+def test_nan_run_stops_at_the_next_evaluation_naming_its_first_bad_step(tiny_config, tmp_path,
+                                                                         pad_lengths):
     """A NaN injected through the config: QQP's loss weight 1e39 (> the float32 maximum) makes
     its first weighted loss and gradient overflow, the weights become NaN and every later loss is NaN. The step does not look at
     the loss on the host; the check at the next evaluation point (100 examples) stops the
     run and names the first NaN step: SST's 54 rows trained first (sequential schedule),
     then one finite QQP batch of 8, so the NaN came at 62 examples."""
     cfg = tiny_config(schedule="sequential", loss_weighting="fixed", w_qqp=1e39,
-                      eval_every=100, eval_dev=False, eval_at_start=False)
+                      eval_every=100, eval_dev=False, eval_at_start=False,
+                      pad_lengths=pad_lengths)
     reports = []
     trainer = Trainer(cfg, load_data(cfg), tmp_path, report=lambda m, d: reports.append(m))
     with pytest.raises(NonFiniteLossError) as failure:
