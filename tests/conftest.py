@@ -1,5 +1,8 @@
 """Shared fixtures: a tiny random BERT (with MiniLM's tokenizer), small synthetic
-CS 224N-format files, and the real data folder (skipped where absent)."""
+CS 224N-format files, the real data folder (skipped where absent) and one Ray session
+shared by the in-process searches; and the test tiers (docs/testing.md): the markers
+``integration`` and ``cuda`` are applied here, in :func:`pytest_collection_modifyitems`,
+and nowhere else."""
 
 from __future__ import annotations
 
@@ -14,6 +17,92 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MTBERT_DATA", REPO.parent / "shared" / "data"))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+# ---------------------------------------------------------------------- test tiers
+#: The integration tier: tests that start Ray (a local session or a multi-process
+#: cluster), log to MLflow, train MiniLM on the real data, inject faults, or train or
+#: search through the real CLIs as processes (each pays seconds of imports).  Everything
+#: else is the unit tier (in-process, tiny models, no Ray, no MLflow store):
+#: ``python -m pytest -q -m "not integration" tests``.  A test is integration when its
+#: module is in INTEGRATION_MODULES, it is named in INTEGRATION_TESTS, or it uses (directly
+#: or through another fixture) one of INTEGRATION_FIXTURES.
+INTEGRATION_MODULES = {
+    "test_fault_tolerance": "kills Ray nodes and drivers of real searches",
+    "test_multinode": "a two-node Ray cluster",
+    "test_integration_minilm": "MiniLM on the real data",
+    "test_actor_reuse": "a one-CPU Ray session",
+    "test_bad_input": "34 tune_driver.py processes, each importing Ray, MLflow and Optuna",
+    "test_bad_input_train": "a training, then 20 python -m mtbert.train processes",
+}
+INTEGRATION_TESTS = {
+    "test_gpu_packing.py::test_trials_share_the_gpus_of_a_cluster_by_default":
+        "a Ray cluster with fake GPUs runs a search",
+    "test_bench_accounting.py::test_no_dashboard_option_starts_ray_without_one":
+        "starts a local Ray",
+    "test_pretrain.py::test_two_processes_racing_share_one_result":
+        "two spawned processes pre-train and race for the cache",
+    "test_trainer.py::test_cli_writes_the_contracted_files": "a python -m mtbert.train process",
+    "test_trainer.py::test_cli_bad_input_exits_2_and_writes_nothing":
+        "python -m mtbert.train processes",
+    "test_trainer.py::test_cli_bad_data_file_exits_2_naming_file_and_line":
+        "a python -m mtbert.train process",
+    "test_step.py::test_cli_refuses_a_compile_mode_the_device_cannot_run":
+        "a python -m mtbert.train process",
+    "test_tune_driver.py::test_cli_process_exit_codes": "tune_driver.py processes",
+    "test_search_choices.py::test_missing_bohb_package_names_the_extra":
+        "a tune_driver process",
+    "test_tune_finalize.py::test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed":
+        "an MLflow store",
+}
+INTEGRATION_FIXTURES = {
+    "shared_ray": "the Ray session of the in-process searches",
+    "local_ray": "a local Ray with its dashboard",
+    "shared_data_dir": "the real data",
+}
+
+
+def _is_integration(item) -> bool:
+    module = item.path.stem
+    return (module in INTEGRATION_MODULES
+            or f"{item.path.name}::{item.originalname}" in INTEGRATION_TESTS
+            or not INTEGRATION_FIXTURES.keys().isdisjoint(item.fixturenames))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the integration tier; skip ``cuda`` tests where torch sees no GPU; run the
+    unit tier first (fast failures), then the integration tier, the searches on the shared
+    Ray session last and together (one Ray start; the tests that need Ray to themselves
+    run before it starts)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda_items:
+        import torch  # deferred: only when a cuda-marked test is collected
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason=f"needs a CUDA GPU; torch {torch.__version__} "
+                                           "sees none")
+            for item in cuda_items:
+                item.add_marker(skip)
+    order = {}
+    for item in items:
+        if _is_integration(item):
+            item.add_marker(pytest.mark.integration)
+            order[item.nodeid] = 2 if "shared_ray" in item.fixturenames else 1
+    items.sort(key=lambda item: order.get(item.nodeid, 0))  # stable: modules stay together
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """One local Ray session (2 CPUs, no dashboard) for the searches run in this process;
+    the driver joins a session already open.  Shut down at the end of the session."""
+    import ray  # deferred: Ray only for the tests that use it
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True, scope="session")

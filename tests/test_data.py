@@ -122,7 +122,6 @@ def test_crlf_and_blank_lines(tmp_path):
     assert table.lines == [2, 5] and table.labels.tolist() == [3, 1]
 
 
-@pytest.mark.integration
 def test_real_files_read_as_before(shared_data_dir, caplog):
     """Every real file: rows used + rows skipped = its non-blank data lines; only the two
     known quora-dev rows are skipped (the same rows as the one-reader-over-the-file

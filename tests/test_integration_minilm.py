@@ -7,9 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

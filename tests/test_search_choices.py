@@ -21,18 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def run_search(ray_session, tmp_path_factory, tiny_model_dir, tiny_data_dir):
+def run_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     """Run one smoke search with extra flags; its summary, MLflow runs and Ray's view."""
     from mlflow import MlflowClient
     from ray.tune import ExperimentAnalysis

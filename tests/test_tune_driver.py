@@ -25,34 +25,25 @@ NUM_TRIALS = 6
 
 
 @pytest.fixture(scope="module")
-def search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
-    import ray
-
+def search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     from mtbert.tune.cli import main
 
     root = tmp_path_factory.mktemp("search")
     storage = root / "ray_results"
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     console = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(console):
-            rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
-                       "--data-dir", tiny_data_dir, "--num-samples", str(NUM_TRIALS),
-                       "--storage-path", str(storage), "--experiment", "smoke-test",
-                       "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
-                       # one trial at a time: seeded TPE then sees results in a fixed
-                       # order, so the ASHA decisions (and the test) are deterministic
-                       "--max-concurrent", "1",
-                       # Ray's ASHA, deciding on arrival: every trial sampled, some
-                       # stopped, some trained to the end (the default, promoting ASHA,
-                       # has its own smoke test in test_search_choices.py)
-                       "--scheduler", "asha"])
-    finally:
-        if started:
-            ray.shutdown()
+    with contextlib.redirect_stdout(console):
+        rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+                   "--data-dir", tiny_data_dir, "--num-samples", str(NUM_TRIALS),
+                   "--storage-path", str(storage), "--experiment", "smoke-test",
+                   "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "3",
+                   # one trial at a time: seeded TPE then sees results in a fixed
+                   # order, so the ASHA decisions (and the test) are deterministic
+                   "--max-concurrent", "1",
+                   # Ray's ASHA, deciding on arrival: every trial sampled, some
+                   # stopped, some trained to the end (the default, promoting ASHA,
+                   # has its own smoke test in test_search_choices.py)
+                   "--scheduler", "asha"])
     exp_dir = storage / "smoke-test"
     summary = json.loads((exp_dir / "summary.json").read_text()) if rc == 0 else None
     return {"rc": rc, "exp_dir": exp_dir, "uri": uri, "summary": summary,

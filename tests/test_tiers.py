@@ -1,0 +1,23 @@
+"""The integration table of tests/conftest.py names modules and tests that exist: a renamed
+test would otherwise move to the unit tier unnoticed (docs/testing.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import INTEGRATION_MODULES, INTEGRATION_TESTS
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_every_module_and_test_the_table_names_exists():
+    missing = [m for m in INTEGRATION_MODULES if not (TESTS / f"{m}.py").is_file()]
+    for entry in INTEGRATION_TESTS:
+        file, name = entry.split("::")
+        path = TESTS / file
+        defined = ({node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                    if isinstance(node, ast.FunctionDef)} if path.is_file() else set())
+        if name not in defined:
+            missing.append(entry)
+    assert not missing, f"tests/conftest.py names what does not exist: {missing}"
