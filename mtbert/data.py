@@ -67,27 +67,7 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
     that fails on its first one. Rows used + rows skipped = the file's data lines.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found (expected the {spec.name} file "
-                        f"{path.name} of the CS 224N data)", path=str(path)) from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read file ({exc.strerror})", path=str(path)) from None
-    if b"\x00" in raw:
-        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
-        raise DataError(f"{path}, line {line}: binary data (NUL byte); expected a tab-separated "
-                        "UTF-8 text file", path=str(path), line=line)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}, line {line}: not valid UTF-8 (byte {raw[exc.start]:#04x}); "
-                        "expected a UTF-8 text file", path=str(path), line=line) from None
-    if not text.strip():
-        raise DataError(f"{path}: file is empty; expected a header line and rows",
-                        path=str(path), line=1)
-
+    raw, text = read_text_file(path, spec)
     lines = [line.removesuffix("\r") for line in text.split("\n")]  # CRLF files too
     header = [h.strip() for h in split_line(lines[0], path, 1)]
     required = ["id", *spec.text_columns] + ([spec.label_column] if labelled else [])
@@ -137,6 +117,32 @@ def read_task_file(path: str | Path, spec: TaskSpec, labelled: bool,
         label_array = np.asarray(labels, dtype=dtype)
     return RawTable(str(path), file_checksum(raw), ids, texts, label_array, row_lines,
                     [exc.line for exc in bad])
+
+
+def read_text_file(path: Path, spec: TaskSpec) -> tuple[bytes, str]:
+    """The bytes and UTF-8 text of one task file; a missing, unreadable, binary, non-UTF-8
+    or empty file is a :class:`DataError` naming it (and the line, where there is one)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found (expected the {spec.name} file "
+                        f"{path.name} of the CS 224N data)", path=str(path)) from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read file ({exc.strerror})", path=str(path)) from None
+    if b"\x00" in raw:
+        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: binary data (NUL byte); expected a tab-separated "
+                        "UTF-8 text file", path=str(path), line=line)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: not valid UTF-8 (byte {raw[exc.start]:#04x}); "
+                        "expected a UTF-8 text file", path=str(path), line=line) from None
+    if not text.strip():
+        raise DataError(f"{path}: file is empty; expected a header line and rows",
+                        path=str(path), line=1)
+    return raw, text
 
 
 #: csv's messages in strict mode -> what is wrong with the line, in the user's terms

@@ -115,6 +115,19 @@ def compile_model(model: torch.nn.Module, mode: str) -> None:
     model.compile(mode=mode, dynamic=False)
 
 
+def step_shapes(cfg: TrainConfig, device: torch.device, max_length: int) -> tuple[int, bool]:
+    """(the static max length, 0 for batch padding; whether the step runs from CUDA
+    graphs).  ``pad_lengths``: static lengths and fixed batch sizes where shapes are costly
+    (CUDA), the batch's longest row where padding is compute (CPU).  ConfigError (key
+    ``step_mode``) for ``step_mode=graphs`` off CUDA."""
+    if cfg.step_mode == "graphs" and device.type != "cuda":
+        raise ConfigError(f"step_mode=graphs needs a CUDA device; the device is "
+                          f"{device.type} (use step_mode=auto or eager)", key="step_mode")
+    buckets = cfg.pad_lengths == "buckets" or (cfg.pad_lengths == "auto"
+                                               and device.type == "cuda")
+    return (max_length if buckets else 0), graphs_wanted(cfg, device)
+
+
 def next_eval_point(seen: int, every: int, growth: float = 1.0) -> int:
     """The first evaluation point after ``seen`` examples: multiples of ``every``
     (growth 1), or the geometric points round(every · growth^k) -- ASHA's rungs when
@@ -142,17 +155,9 @@ class Trainer:
         self.checkpoints = checkpoints
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
-        # pad_lengths: static lengths where shapes are costly (CUDA), the batch's longest
-        # row where padding is compute (CPU)
-        buckets = cfg.pad_lengths == "buckets" or (cfg.pad_lengths == "auto"
-                                                   and self.device.type == "cuda")
-        self.static_max_length = data.max_length if buckets else 0
+        self.static_max_length, graphs = step_shapes(cfg, self.device, data.max_length)
         self.eval_max_tokens = eval_token_cap(cfg.eval_batch_tokens, self.device.type)
         self.eval_rows = eval_rows(cfg.eval_batch_size, self.device.type)
-        if cfg.step_mode == "graphs" and self.device.type != "cuda":
-            raise ConfigError(f"step_mode=graphs needs a CUDA device; the device is "
-                              f"{self.device.type} (use step_mode=auto or eager)", key="step_mode")
-        graphs = graphs_wanted(cfg, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -162,14 +167,7 @@ class Trainer:
         self.loss_combiner = build_loss_combiner(cfg).to(self.device)
         self.grad_combiner = build_gradient_combiner(cfg)
         self.regulariser = build_regulariser(cfg, self.model)
-        self.train_splits = {t: data.split(t, "train") for t in TASK_NAMES}
-        self.encodings = {t: encoding_for(t, cfg.pair_encoding) for t in TASK_NAMES}
-        self.batchers = {
-            t: TaskBatcher(self.train_splits[t], cfg.task_batch_size(t), self.encodings[t],
-                           cfg.seed, cfg.length_bucketing, cfg.bucket_batches)
-            for t in TASK_NAMES}
-        self.schedule = build_schedule(cfg.schedule, {t: b.num_batches for t, b in self.batchers.items()},
-                                       cfg.epochs, cfg.steps_per_epoch, cfg.round_robin_mode)
+        self._build_batching()
         # the fused kernel updates all 22M MiniLM parameters in ~15 ms on one CPU thread,
         # the default for-loop implementation in ~190 ms (a large share of a training step)
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, fused=True,
@@ -180,24 +178,7 @@ class Trainer:
                                                total_examples / self.total_steps)
         self.autocast = self.device.type == "cuda"
         compile_model(self.model, cfg.compile)
-        # counters: everything a resume needs besides module/optimizer states
-        self.epoch = 1
-        self.step_in_epoch = 0
-        self.examples_seen = 0
-        self.optimizer_steps = 0
-        self.next_eval = cfg.eval_every or 0
-        self.evaluations = 0
-        self.history: list[dict] = []
-        self._last_val_predictions: dict[str, np.ndarray] = {}
-        self._loss_sums = {t: 0.0 for t in TASK_NAMES}
-        self._loss_counts = {t: 0 for t in TASK_NAMES}
-        # losses of the steps since the last check, still on the device, with the
-        # (task, examples seen before the step, lr) that a NonFiniteLossError names
-        self._pending_losses: list[torch.Tensor] = []
-        self._pending_where: list[tuple[str, int, float]] = []
-        self._last_log = 0.0
-        self._start = time.perf_counter()
-        self._examples_at_start = 0
+        self._start_counters()
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         # step_mode=graphs: the step from captured CUDA graphs (after any restore: it takes
@@ -213,6 +194,40 @@ class Trainer:
                                  "checkpoint_write_s": 0.0, "report_s": 0.0}
 
     # ------------------------------------------------------------------ setup
+    def _build_batching(self) -> None:
+        """Each task's training split, encoding and batcher, and the task schedule."""
+        cfg, data = self.cfg, self.data
+        self.train_splits = {t: data.split(t, "train") for t in TASK_NAMES}
+        self.encodings = {t: encoding_for(t, cfg.pair_encoding) for t in TASK_NAMES}
+        self.batchers = {
+            t: TaskBatcher(self.train_splits[t], cfg.task_batch_size(t), self.encodings[t],
+                           cfg.seed, cfg.length_bucketing, cfg.bucket_batches)
+            for t in TASK_NAMES}
+        self.schedule = build_schedule(cfg.schedule,
+                                       {t: b.num_batches for t, b in self.batchers.items()},
+                                       cfg.epochs, cfg.steps_per_epoch, cfg.round_robin_mode)
+
+    def _start_counters(self) -> None:
+        """The counters: everything a resume needs besides module and optimizer states,
+        and the running figures of the progress lines."""
+        self.epoch = 1
+        self.step_in_epoch = 0
+        self.examples_seen = 0
+        self.optimizer_steps = 0
+        self.next_eval = self.cfg.eval_every or 0
+        self.evaluations = 0
+        self.history: list[dict] = []
+        self._last_val_predictions: dict[str, np.ndarray] = {}
+        self._loss_sums = {t: 0.0 for t in TASK_NAMES}
+        self._loss_counts = {t: 0 for t in TASK_NAMES}
+        # losses of the steps since the last check, still on the device, with the
+        # (task, examples seen before the step, lr) that a NonFiniteLossError names
+        self._pending_losses: list[torch.Tensor] = []
+        self._pending_where: list[tuple[str, int, float]] = []
+        self._last_log = 0.0
+        self._start = time.perf_counter()
+        self._examples_at_start = 0
+
     def _prepare_fresh_model(self) -> None:
         """The stages a fresh run's model goes through before training: the pre-training
         stage (``cfg.pretrain``: SimCSE / supervised SimCSE / QQP, cached by key) and the
