@@ -366,8 +366,21 @@ class StepGraphs:
 def graphs_wanted(cfg, device: torch.device) -> bool:
     """``step_mode`` resolved: graphs where asked, or under auto on CUDA with compile none,
     no PCGrad and static batch shapes."""
-    if cfg.step_mode == "eager" or device.type != "cuda":
-        return False
+    return eager_reason(cfg, device) is None
+
+
+def eager_reason(cfg, device: torch.device) -> str | None:
+    """Why the step runs eager (for the progress line), or None where it runs from graphs."""
+    if cfg.step_mode == "eager":
+        return "step_mode=eager"
+    if device.type != "cuda":
+        return f"no CUDA graphs on {device.type}"
     if cfg.step_mode == "graphs":
-        return True
-    return cfg.compile == "none" and not cfg.pcgrad and cfg.pad_lengths != "batch"
+        return None
+    if cfg.pcgrad:
+        return "pcgrad: its per-task backwards move gradients out of .grad"
+    if cfg.compile != "none":
+        return f"compile={cfg.compile}"
+    if cfg.pad_lengths == "batch":
+        return "pad_lengths=batch: a new shape every batch"
+    return None

@@ -44,7 +44,7 @@ from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
-from mtbert.step_graphs import StepGraphs, graphs_wanted
+from mtbert.step_graphs import StepGraphs, eager_reason, graphs_wanted
 from mtbert.tasks import TASK_NAMES, TASKS
 from mtbert.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, CheckpointWriter,
                                    HostCopy, encoder_config_json, folder_bytes,
@@ -301,8 +301,9 @@ class Trainer:
         cfg = self.cfg
         self._start = time.perf_counter()
         self._examples_at_start = self.examples_seen
-        self.log(f"[mtbert] device={self.device} step={'graphs' if self.step_graphs else 'eager'} "
-                 f"schedule={cfg.schedule} update={cfg.update} "
+        reason = eager_reason(cfg, self.device)
+        self.log(f"[mtbert] device={self.device} step={'graphs' if self.step_graphs else 'eager'}"
+                 f"{f' ({reason})' if reason else ''} schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
         try:
             return self._fit()

@@ -11,7 +11,7 @@ import torch
 from mtbert.data import ROW_WEIGHTS, STATIC_LENGTHS, collate, load_data, real_rows
 from mtbert.errors import ConfigError
 from mtbert.losses import task_loss
-from mtbert.step_graphs import StepGraphs, batch_shapes, reached_parameters
+from mtbert.step_graphs import StepGraphs, batch_shapes, eager_reason, reached_parameters
 from mtbert.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -189,3 +189,14 @@ def test_step_mode_graphs_is_refused_where_it_cannot_run(tiny_config, tmp_path):
     assert err.value.key == "step_mode"
     cfg = tiny_config(step_mode="auto", device="cpu")
     assert Trainer(cfg, load_data(cfg), tmp_path).step_graphs is None  # eager on a CPU
+
+
+def test_the_progress_line_says_why_a_step_runs_eager(tiny_config, tmp_path, capsys):
+    cuda = torch.device("cuda")  # a device name: no GPU needed to resolve the mode for it
+    assert eager_reason(tiny_config(), cuda) is None
+    assert eager_reason(tiny_config(update="summed", pcgrad=True), cuda).startswith("pcgrad")
+    assert eager_reason(tiny_config(compile="default"), cuda) == "compile=default"
+    assert eager_reason(tiny_config(step_mode="eager"), cuda) == "step_mode=eager"
+    cfg = tiny_config(progress=True, max_examples=8, eval_dev=False, eval_at_start=False)
+    Trainer(cfg, load_data(cfg), tmp_path).fit()
+    assert "step=eager (no CUDA graphs on cpu)" in capsys.readouterr().err
