@@ -13,6 +13,7 @@ from it (what ``predict_split`` takes).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,15 +21,15 @@ import torch
 from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
 from mtbert.model import MultitaskModel
+from mtbert.pretrained import load_tokenizer
+from mtbert.training_state import (ENCODER_DIR, HEADS_FILE, WEIGHT_FILES, encoder_config_json,
+                                   load_tensors, write_weights)
 
-ENCODER_DIR = "encoder"
-HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.yaml"
 
 
 def export_model(model: MultitaskModel, cfg: TrainConfig, folder: str | Path) -> Path:
     """Write ``model`` (trained under ``cfg``) to ``folder`` as described above."""
-    from mtbert.training_state import encoder_config_json, write_weights
     folder = Path(folder)
     write_weights(folder, model.state_dict(), encoder_config_json(model.encoder))
     return _add_tokenizer_and_config(folder, cfg)
@@ -37,9 +38,6 @@ def export_model(model: MultitaskModel, cfg: TrainConfig, folder: str | Path) ->
 def export_checkpoint(checkpoint_dir: str | Path, folder: str | Path) -> Path:
     """Copy the weights of a training checkpoint (``Trainer.save_checkpoint``) to
     ``folder`` as described above: its weight files as they are, no optimizer state."""
-    import shutil
-
-    from mtbert.training_state import WEIGHT_FILES, load_tensors
     checkpoint_dir, folder = Path(checkpoint_dir), Path(folder)
     cfg = TrainConfig.from_yaml(checkpoint_dir / CONFIG_FILE)
     for name in WEIGHT_FILES:
@@ -51,7 +49,6 @@ def export_checkpoint(checkpoint_dir: str | Path, folder: str | Path) -> Path:
 
 
 def _add_tokenizer_and_config(folder: Path, cfg: TrainConfig) -> Path:
-    from mtbert.pretrained import load_tokenizer
     load_tokenizer(cfg.model).save_pretrained(folder / ENCODER_DIR)
     (folder / CONFIG_FILE).write_text(cfg.to_yaml(), encoding="utf-8")
     return folder
@@ -59,7 +56,6 @@ def _add_tokenizer_and_config(folder: Path, cfg: TrainConfig) -> Path:
 
 def load_model(folder: str | Path, device: str = "cpu") -> tuple[TrainConfig, MultitaskModel]:
     """The config and model of an exported folder, in eval mode on ``device``."""
-    from mtbert.training_state import load_tensors
     folder = Path(folder)
     if not (folder / HEADS_FILE).is_file():
         raise ConfigError(f"{folder}: not an exported model (no {HEADS_FILE})")

@@ -54,6 +54,7 @@ from torch import nn
 from mtbert.atomic import atomic_write
 from mtbert.config import TrainConfig
 from mtbert.data import MultitaskData, _pad, collate, default_cache_dir, encoding_for
+from mtbert.losses import task_loss
 
 CACHE_VERSION = "1"
 STAGES = ("simcse", "simcse_sup", "qqp")
@@ -265,7 +266,6 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
             za, zb = z.chunk(2)
             return simcse_loss(za, zb, cfg.simcse_temp)
     else:  # qqp
-        from mtbert.losses import task_loss
         split = data.splits["qqp"]["train"]
         encoding = encoding_for("qqp", cfg.pair_encoding)
         stream = _index_stream(len(split), bs, cfg.pretrain_examples, rng)

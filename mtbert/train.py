@@ -15,6 +15,7 @@ from pathlib import Path
 from mtbert.atomic import check_creatable
 from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir, parse_set_args
 from mtbert.errors import MtbertError
+from mtbert.pretrained import check_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             resume_from = out / "checkpoint"
             if not (resume_from / "state.pt").is_file():  # training_state.STATE_FILE
                 raise MtbertError(f"--resume: no checkpoint in {resume_from}")
-        from mtbert.data import load_data  # heavy imports after the cheap checks
-        from mtbert.pretrained import check_model
+        # deferred: torch, transformers (heavy imports after the cheap checks)
+        from mtbert.data import load_data
         from mtbert.trainer import Trainer
         from mtbert.training_state import check_checkpoint
         if resume_from is not None:

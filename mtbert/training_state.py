@@ -36,9 +36,12 @@ from typing import Any, Callable
 import torch
 
 from mtbert.errors import DataError, first_line
-from mtbert.model_files import ENCODER_DIR, HEADS_FILE
 
 STATE_FILE = "state.pt"
+#: the weights layout, shared with an exported model (model_files.py): the encoder as a
+#: Hugging Face folder, everything else in one safetensors file
+ENCODER_DIR = "encoder"
+HEADS_FILE = "heads.safetensors"
 ENCODER_WEIGHTS = f"{ENCODER_DIR}/model.safetensors"
 ENCODER_CONFIG = f"{ENCODER_DIR}/config.json"
 WEIGHT_FILES = (ENCODER_CONFIG, ENCODER_WEIGHTS, HEADS_FILE)
