@@ -160,8 +160,7 @@ METHODS = {
 
 
 def _default_method() -> str:
-    from mtbert.tune.records import default_rung_metric
-    from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER
+    from mtbert.tune.choices import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, default_rung_metric
     return next(k for k, m in METHODS.items()
                 if (m.scheduler, m.searcher, m.first_rung, m.space, m.rung_metric) == (
                     DEFAULT_SCHEDULER, DEFAULT_SEARCHER, 9, "ranges",
@@ -196,9 +195,9 @@ def bench_budget(args, method: Method):
     the method's later first rung); grid and random score once at the end; PBT and PB2
     compare their population every full/6 examples."""
     from mtbert.tune.budgets import Budget
-    from mtbert.tune.search import POPULATION_SCHEDULERS
+    from mtbert.tune.choices import SCHEDULERS
     grace = args.full_examples // method.first_rung
-    if method.scheduler in POPULATION_SCHEDULERS:
+    if SCHEDULERS[method.scheduler].population:
         every = args.full_examples // 6
     else:
         every = args.full_examples if method.scheduler == "fifo" else grace
@@ -213,7 +212,8 @@ def search_setup(name: str, args, seed: int):
     """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
     from ray import tune
 
-    from mtbert.tune.search import POPULATION_SCHEDULERS, build_scheduler, build_searcher
+    from mtbert.tune.choices import SCHEDULERS
+    from mtbert.tune.search import build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     method = METHODS[name]
     budget = bench_budget(args, method)
@@ -223,7 +223,7 @@ def search_setup(name: str, args, seed: int):
                 "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
         return grid, dict(num_samples=1, scheduler=build_scheduler("fifo", budget),
                           search_alg=build_searcher("random", seed, args.workers, 1)), budget
-    population = method.scheduler in POPULATION_SCHEDULERS
+    population = SCHEDULERS[method.scheduler].population
     n = {"fifo": len(DROPOUTS) * len(LAMBDAS)}.get(
         method.scheduler, args.population if population else method.trials or args.trials)
     # PBT: every trial of the population is in the searcher's hands (Ray's resources
@@ -245,15 +245,15 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     from ray import tune
 
     from mtbert.tune import work_folders
+    from mtbert.tune.choices import SCHEDULERS
     from mtbert.tune.search import reuses_actors, trial_name
-    from mtbert.tune.trainable import train_trial
-    from mtbert.tune.search import POPULATION_SCHEDULERS
     from mtbert.tune.settings import run_fields
+    from mtbert.tune.trainable import train_trial
     space, tune_kwargs, budget = search_setup(name, args, seed)
     trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
                   "eval_at_start": False}
     # PBT restores a trial from another's checkpoint some time after choosing it: all kept
-    keep = None if METHODS[name].scheduler in POPULATION_SCHEDULERS else 1
+    keep = None if SCHEDULERS[METHODS[name].scheduler].population else 1
     trainable = tune.with_resources(
         tune.with_parameters(train_trial, data=data, base=trial_base),
         {"cpu": 1, "gpu": args.gpus_per_trial})

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtbert.tune.search import DEFAULT_SEARCHER
+from mtbert.tune.choices import DEFAULT_SEARCHER
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 6

@@ -12,7 +12,7 @@ from typing import Any
 from ray.tune import Callback
 
 from mtbert.tune.records import RUN_KEYS, TrialStatus, error_reason, rung_reached, trial_status
-from mtbert.tune.settings import trial_config_values
+from mtbert.tune.trial_config import trial_config_values
 from mtbert.tune.tracking import SearchTracker
 
 

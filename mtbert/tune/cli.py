@@ -15,10 +15,11 @@ import sys
 from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import ConfigError, MtbertError
 from mtbert.tune.budgets import BUDGETS
-from mtbert.tune.records import (DEFAULT_RUNG_METRIC, PER_RUNG_DEFAULTS, RUNG_METRICS,
-                                  rung_metric_keys)
+from mtbert.tune.cluster import quiet_environment
+from mtbert.tune.choices import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
+from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
 from mtbert.tune.retention import KEEP_CHOICES
-from mtbert.tune.search import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
+from mtbert.tune.settings import resolve_settings, resume_command
 from mtbert.tune.spaces import list_spaces
 
 
@@ -48,6 +49,26 @@ def rung_metric_arg(text: str) -> str:
     return text
 
 
+def searcher_help() -> str:
+    """``--search-alg``'s help: each choice's line and the defaults (choices.py)."""
+    by_searcher: dict[str, list[str]] = {}
+    for name, s in SCHEDULERS.items():
+        if s.default_searcher != DEFAULT_SEARCHER:
+            by_searcher.setdefault(s.default_searcher, []).append(name)
+    paired = "".join(f"{searcher} for --scheduler {' / '.join(names)}, "
+                     for searcher, names in by_searcher.items())
+    return ("; ".join(c.help_line() for c in SEARCHERS.values())
+            + f". Default: {paired}else {DEFAULT_SEARCHER}")
+
+
+def scheduler_help() -> str:
+    """``--scheduler``'s help: each choice's line and the defaults (choices.py)."""
+    paired = ", ".join(f"{c.default_scheduler} with --search-alg {name}"
+                       for name, c in SEARCHERS.items() if c.default_scheduler)
+    return ("; ".join(c.help_line() for c in SCHEDULERS.values())
+            + f". Default {DEFAULT_SCHEDULER} ({paired})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     budgets = "; ".join(f"{b.name}: {b.description}" for b in BUDGETS.values())
     p = DriverArgumentParser(
@@ -73,22 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per trial, fractions allowed; default: where the Ray cluster "
                         "has GPUs, several trials share each (the share from the model's "
                         "size and the GPU's memory, printed); 0 forces the CPUs")
-    p.add_argument("--search-alg", default=None, choices=SEARCHERS,
-                   help="optuna: Optuna's independent TPE (seeded); optuna-mv: its multivariate TPE; "
-                        "random: random search (baseline); bohb: TuneBOHB (with --scheduler "
-                        "bohb). Default: bohb for --scheduler bohb, random for pbt / pb2, "
-                        f"else {DEFAULT_SEARCHER}")
-    p.add_argument("--scheduler", default=None, choices=SCHEDULERS,
-                   help="asha: stop weak trials at the budget's rungs (Ray's ASHA, deciding "
-                        "as each trial arrives); asha-promote: ASHA as Li et al. state it, "
-                        "trials pause at the rungs and the best are promoted (with optuna / "
-                        "optuna-mv); fifo: every trial trains its whole budget (a baseline "
-                        "without early stopping); bohb: "
-                        "Hyperband for BOHB on the same rungs (pip install "
-                        "'mtbert-tune[bohb]'); pbt / pb2: population-based training of lr, "
-                        "dropout and the SMART lambdas, perturbed at every evaluation (pb2: "
-                        f"pip install 'mtbert-tune[pb2]'). Default {DEFAULT_SCHEDULER} (bohb "
-                        "with --search-alg bohb, asha with --search-alg random)")
+    p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
+                   help=searcher_help())
+    p.add_argument("--scheduler", default=None, choices=list(SCHEDULERS),
+                   help=scheduler_help())
     p.add_argument("--rung-metric", default=None, type=rung_metric_arg,
                    metavar="{" + ",".join(RUNG_METRICS) + "}[,...]",
                    help="what the scheduler compares trials on at its rungs (PBT / PB2: at "
@@ -101,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "from the first, the last for the later rungs (asha-promote only: "
                         "classes_soft,overall_soft). The searcher and the selection always "
                         "use val/overall. Default: "
-                        + "; ".join(f"{m} with --scheduler {s}"
-                                    for s, m in PER_RUNG_DEFAULTS.items())
+                        + "; ".join(f"{c.default_rung_metric} with --scheduler {s}"
+                                    for s, c in SCHEDULERS.items()
+                                    if c.default_rung_metric != DEFAULT_RUNG_METRIC)
                         + f"; {DEFAULT_RUNG_METRIC} with the others")
     p.add_argument("--seed", type=int, default=0, help="seed of the search and the trials")
     p.add_argument("--storage-path", default="ray_results",
@@ -139,9 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help stays fast
-    from mtbert.tune.cluster import quiet_environment
     from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
-    from mtbert.tune.settings import resolve_settings
 
     quiet_environment()
     if args.list_spaces:
@@ -164,11 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: interrupted twice: stopped without a summary; Ray's last experiment "
               f"snapshot is kept. Continue with: {resume_command(settings)}", file=sys.stderr)
         return 130
-
-
-def resume_command(settings) -> str:
-    return (f"python tune_driver.py --resume --experiment {settings.experiment} "
-            f"--storage-path {settings.storage_arg}")
 
 
 def one_line(message: str) -> str:

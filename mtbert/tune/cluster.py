@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from mtbert.errors import ConfigError
+from mtbert.pretrained import resolve_model_path
 
 
 def quiet_environment() -> None:
@@ -209,7 +210,6 @@ def model_parameters(model: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModel
 
-    from mtbert.pretrained import resolve_model_path
     config = AutoConfig.from_pretrained(resolve_model_path(model))
     with torch.device("meta"):
         encoder = AutoModel.from_config(config)

@@ -16,6 +16,7 @@ import sys
 
 from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
+from mtbert.data import load_data
 from mtbert.tune import finalists as fin
 from mtbert.tune import work_folders
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
@@ -28,9 +29,10 @@ from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_l
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.search import InterruptWatch, build_tuner
-from mtbert.tune.settings import SETTINGS_FILE, SearchSettings
+from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
 from mtbert.tune.summary import NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker
+from mtbert.tune.trainable import train_trial
 
 
 def run(settings: SearchSettings) -> int:
@@ -55,7 +57,6 @@ def run(settings: SearchSettings) -> int:
 def load_search_data(settings: SearchSettings):
     """The data every trial trains on, read and tokenised once (trials get it from Ray's
     object store); ConfigError/DataError name the file and line."""
-    from mtbert.data import load_data
     print(f"[tune] loading and tokenising {settings.base['data_dir']} once "
           f"(model {settings.base['model']}) ...", flush=True)
     return load_data(TrainConfig.from_dict(settings.base, source="driver"))
@@ -123,8 +124,6 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     the scheduler ended the sampling (promoting ASHA, once its first rung's or deciding
     rung's share is promoted: the trials of ``num_samples`` left were not needed)."""
     from ray import tune
-
-    from mtbert.tune.trainable import train_trial
 
     # on resume: trials that had ended before the driver died must not train again;
     # Ray replays them from its snapshot, where such a trial may have no result yet
@@ -203,7 +202,6 @@ def _finalist_device(settings: SearchSettings) -> str:
 
 def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
     """The end-of-search table and where things are; returns the exit code."""
-    from mtbert.tune.cli import resume_command
     location, counts = settings.location, summary.counts
     print()
     print(summary.console_table())

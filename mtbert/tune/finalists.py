@@ -17,6 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from mtbert.data import encoding_for, eval_token_cap
+from mtbert.ensemble import combine, greedy_task_selection, task_labels
+from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
+from mtbert.predictions import write_predictions
+from mtbert.tasks import TASK_NAMES
+from mtbert.trainer import load_checkpoint_model, predict_split
+
 SPLITS = ("val", "dev", "test")
 
 
@@ -24,10 +31,6 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu",
                    splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, np.ndarray]]:
     """{split: {task: raw prediction}} of one best checkpoint on ``splits`` (val, dev, test)."""
     import torch
-
-    from mtbert.data import encoding_for, eval_token_cap
-    from mtbert.tasks import TASK_NAMES
-    from mtbert.trainer import load_checkpoint_model, predict_split
 
     cfg, model = load_checkpoint_model(checkpoint_dir, device=device)
     dev = torch.device(device)
@@ -47,7 +50,6 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu",
 
 def score_split(data, split_name: str, labels: dict[str, np.ndarray]) -> dict[str, Any]:
     """Metrics (``{split}/sst_acc`` ... ``{split}/overall``) of label arrays."""
-    from mtbert.metrics import split_metrics, task_metrics
     per_task = {t: task_metrics(t, pred, data.split(t, split_name).labels)
                 for t, pred in labels.items()}
     return split_metrics(split_name, per_task)
@@ -76,8 +78,6 @@ class EnsembleResult:
 def build_ensemble(member_ids: list[str], preds: dict[str, dict[str, dict[str, np.ndarray]]],
                    data, method: str = "vote") -> EnsembleResult:
     """Combine members (best first); ``preds[trial_id][split][task]`` = raw predictions."""
-    from mtbert.ensemble import combine, greedy_task_selection, task_labels
-    from mtbert.tasks import TASK_NAMES
 
     weights: dict[str, list[int]] = {}
     for task in TASK_NAMES:
@@ -108,7 +108,6 @@ def write_ensemble_predictions(folder: Path, data, result: EnsembleResult) -> Pa
     """CS 224N CSVs (``{task}-{split}-output.csv``) + Parquet of the ensemble labels.
 
     QQP holds the voted 0/1 class (also in the Parquet ``probability`` column)."""
-    from mtbert.predictions import write_predictions
     folder.mkdir(parents=True, exist_ok=True)
     for split_name, by_task in result.labels.items():
         if by_task:
@@ -119,7 +118,6 @@ def write_ensemble_predictions(folder: Path, data, result: EnsembleResult) -> Pa
 
 
 def write_member_predictions(folder: Path, data, preds: dict[str, dict[str, np.ndarray]]) -> Path:
-    from mtbert.predictions import write_predictions
     folder.mkdir(parents=True, exist_ok=True)
     for split_name, by_task in preds.items():
         if by_task:
@@ -140,8 +138,6 @@ def predict_finalists(finalists, data, device: str = "cpu") -> dict[str, dict[st
 
 def dev_metrics(preds: dict[str, dict[str, dict[str, np.ndarray]]], data) -> dict[str, dict[str, float]]:
     """``{trial_id: dev metrics}`` of each finalist (reported, never used to select)."""
-    from mtbert.ensemble import task_labels
-    from mtbert.metrics import scalar_metrics
     return {tid: scalar_metrics(score_split(data, "dev", {
         t: task_labels(t, v) for t, v in p["dev"].items()}), finite=True)
         for tid, p in preds.items()}

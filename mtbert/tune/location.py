@@ -37,6 +37,9 @@ SCHEMES = {"file": "LocalFileSystem", "s3": "S3FileSystem", "gs": "GcsFileSystem
 _BUCKETED = {"s3", "gs", "gcs", "abfs", "abfss"}
 #: local copies of a URI storage's best checkpoints, inside the staging experiment folder
 STAGED_CHECKPOINTS = "_checkpoints"
+#: written when a finished search removed its training states (retention.py): nothing
+#: is left to ``--resume``
+PRUNED_FILE = "mtbert_pruned.json"
 _HINT = ("use a local folder or a URI: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
          "abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX, hdfs://HOST:PORT/PATH "
          "or file:///ABSOLUTE/PATH")
@@ -152,7 +155,7 @@ def download_checkpoint(uri: str, fs_path: str, dest: Path, with_weights: bool) 
     artifacts, the weights for predicting and keeping the model."""
     import pyarrow.fs
 
-    from mtbert.training_state import STATE_FILE, WEIGHT_FILES
+    from mtbert.training_state import STATE_FILE, WEIGHT_FILES  # deferred: torch
     fs, _ = filesystem(uri)
     local_fs = pyarrow.fs.LocalFileSystem()
     dest.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mtbert.metrics import scalar_metrics
+from mtbert.metrics import confusion_matrix, scalar_metrics
+from mtbert.tune.finalists import write_member_predictions
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE
+from mtbert.tune.report import confusion_plot
 from mtbert.tune.tracking import SearchTracker
+from mtbert.tune.trial_config import trial_config_values
 
 #: where ``mlflow ui`` serves a local store (its default port)
 LOCAL_UI = "http://127.0.0.1:5000"
@@ -74,9 +77,6 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
     val/dev/test predictions) those predictions and its dev scores."""
     import yaml
 
-    from mtbert.tune.finalists import write_member_predictions
-    from mtbert.tune.report import confusion_plot
-    from mtbert.tune.settings import trial_config_values
     with tempfile.TemporaryDirectory(prefix="mtbert-mlflow-") as tmp:
         for r in records:
             if not r.mlflow_run_id:
@@ -112,8 +112,6 @@ def log_ensemble_run(tracker: SearchTracker, name: str, ensemble, top_k: int,
                      predictions: Path, val_sst_gold) -> str:
     """The ensemble's run (a child of the parent): its members and weights as params,
     val/dev metrics beside the best single member's, predictions, SST confusion plot."""
-    from mtbert.metrics import confusion_matrix
-    from mtbert.tune.report import confusion_plot
     run = tracker.ensemble_run(name, {
         "method": ensemble.method, "members": ",".join(ensemble.selected),
         "candidates": ",".join(ensemble.members),

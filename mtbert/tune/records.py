@@ -26,18 +26,10 @@ MODE = "max"
 #: gold class), which separates trials before their hard accuracies leave the majority class
 RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft",
                 "classes_soft": "val/classes_soft"}
+#: the ``--rung-metric`` where it is left out, unless the scheduler's choice declares its own
+#: (choices.py: ``asha-promote``, the default scheduler, decides its first rung on the
+#: classifiers' probabilities and its later rungs on overall_soft)
 DEFAULT_RUNG_METRIC = "overall_soft"
-#: the schedulers whose default differs: ``asha-promote`` (the default scheduler) decides its
-#: first rung on the classifiers' probabilities and its later rungs on overall_soft -- at
-#: the bench's first rung (224 examples) STS r ranks the configurations no better than
-#: chance, at the second (672) it carries signal; bench/search_efficiency.py ranks this
-#: pair first (docs/bench/search_efficiency.md)
-PER_RUNG_DEFAULTS = {"asha-promote": "classes_soft,overall_soft"}
-
-
-def default_rung_metric(scheduler: str) -> str:
-    """The ``--rung-metric`` of a ``--scheduler`` where the flag is left out."""
-    return PER_RUNG_DEFAULTS.get(scheduler, DEFAULT_RUNG_METRIC)
 
 
 def rung_metric_keys(rung_metric: str) -> tuple[str, ...]:

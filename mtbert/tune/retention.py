@@ -23,17 +23,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtbert.tune.location import STAGED_CHECKPOINTS, ExperimentLocation
+from mtbert.tune.location import PRUNED_FILE, STAGED_CHECKPOINTS, ExperimentLocation, filesystem
+from mtbert.tune.summary import counted
 
 KEEP_CHOICES = ("best", "all", "none")
 MODELS_DIR = "models"
-PRUNED_FILE = "mtbert_pruned.json"
 
 
 def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:
     """``{trial_id: best checkpoint}`` -> ``{trial_id: exported model folder}`` (copies of
     the checkpoints' weight files)."""
-    from mtbert.model_files import export_checkpoint
+    from mtbert.model_files import export_checkpoint  # deferred: torch, transformers
     return {trial_id: export_checkpoint(checkpoint, folder / trial_id)
             for trial_id, checkpoint in checkpoints.items()}
 
@@ -44,8 +44,8 @@ def remove_training_states(location: ExperimentLocation) -> tuple[int, int]:
     (checkpoints, bytes)."""
     import pyarrow.fs
 
-    from mtbert.training_state import ENCODER_DIR, STATE_FILE, TRAINING_STATE_FILES
-    from mtbert.tune.location import filesystem
+    from mtbert.training_state import (ENCODER_DIR, STATE_FILE,  # deferred: torch
+                                       TRAINING_STATE_FILES)
     if location.exp_uri:
         fs, root = filesystem(location.exp_uri)
     else:
@@ -83,7 +83,6 @@ def keep_what_was_asked(settings, summary, best_checkpoints: dict[str, str]):
     import dataclasses
     import json
 
-    from mtbert.tune.summary import counted
     location, keep = settings.location, settings.keep_checkpoints
     models: dict[str, str] = {}
     if keep == "best" and summary.best_trial is not None:

@@ -5,8 +5,8 @@
 store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
 the flag; it writes nothing.  On ``--resume`` the search's saved settings
 (``mtbert_search.json`` in the experiment) win over the command line, so the data, space
-and budget cannot drift.  :func:`trial_config` is the one merge of the base config and a
-trial's sampled values.
+and budget cannot drift.  (The merge of the base config and a trial's sampled values is
+:func:`mtbert.tune.trial_config.trial_config`.)
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from typing import Any
 from mtbert.atomic import check_creatable
 from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
+from mtbert.pretrained import check_model
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
-from mtbert.tune.cluster import ResourcePlan
-from mtbert.tune.records import default_rung_metric, rung_metric_keys
-from mtbert.tune.search import (POPULATION_SCHEDULERS, check_optional_packages, mutations,
-                                resolve_scheduler, resolve_search_alg)
+from mtbert.tune.cluster import ResourcePlan, check_ray_address
+from mtbert.tune.choices import (check_optional_packages, check_per_rung, default_rung_metric,
+                                 resolve_scheduler, resolve_search_alg, scheduler_choice)
+from mtbert.tune.records import rung_metric_keys
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
+from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
 SETTINGS_FILE = "mtbert_search.json"
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
@@ -107,25 +109,17 @@ class SearchSettings:
                 "mlflow_uri": self.mlflow_uri}
 
 
+def resume_command(settings: SearchSettings) -> str:
+    """The command that continues this search (printed after Ctrl-C)."""
+    return (f"python tune_driver.py --resume --experiment {settings.experiment} "
+            f"--storage-path {settings.storage_arg}")
+
+
 def run_fields(budget: Budget, scheduler: str) -> dict[str, Any]:
     """The budget's run-length fields of every trial; PBT / PB2 perturb every
     ``eval_every`` examples, so their trials evaluate there (``eval_growth`` 1)."""
-    growth = {"eval_growth": 1} if scheduler in POPULATION_SCHEDULERS else {}
+    growth = {"eval_growth": 1} if scheduler_choice(scheduler).population else {}
     return {**budget.trial_fields(), **growth}
-
-
-def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:
-    """A trial's TrainConfig: the base values, then its sampled ones (never scoring dev:
-    dev is scored for the ensemble's finalists only).  Raises ConfigError."""
-    return TrainConfig.from_dict({**base, **sampled, "eval_dev": False}, source="trial config")
-
-
-def trial_config_values(base: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
-    """Every TrainConfig field of a trial (defaults included); the raw values if invalid."""
-    try:
-        return trial_config(base, sampled).to_dict()
-    except ConfigError:
-        return {**base, **sampled, "eval_dev": False}
 
 
 # ---------------------------------------------------------------------- resolving
@@ -147,11 +141,8 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     search_alg = resolve_search_alg(args.scheduler, args.search_alg)
     check_optional_packages(args.scheduler, search_alg)
     rung_metric = getattr(args, "rung_metric", None) or default_rung_metric(args.scheduler)
-    if len(rung_metric_keys(rung_metric)) > 1 and args.scheduler != "asha-promote":
-        raise ConfigError(f"--rung-metric {rung_metric}: one metric per rung needs --scheduler "
-                          f"asha-promote, got --scheduler {args.scheduler}; give it one metric")
-    if args.scheduler in POPULATION_SCHEDULERS:
-        mutations(space, args.scheduler)  # the space samples something it can perturb
+    check_per_rung(rung_metric_keys(rung_metric), args.scheduler, rung_metric)
+    scheduler_choice(args.scheduler).check_space(space)  # e.g. PBT: something to perturb
     num_samples = args.num_samples if args.num_samples is not None else budget.num_samples
     _check_numbers(args, num_samples)
     top_k = args.ensemble_top_k if args.ensemble_top_k is not None else budget.ensemble_top_k
@@ -174,7 +165,6 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     model = _model(args.model)
     mlflow_uri, mlflow_fallback = _tracking_uri(args, storage)
     if args.address is not None:
-        from mtbert.tune.cluster import check_ray_address
         check_ray_address(args.address)
     base = _base_config(args, budget, space, data_dir, model)
     if not args.address:
@@ -221,8 +211,7 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
         raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
                           f"(no {SETTINGS_FILE})")
     saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}")
-    from mtbert.tune.retention import PRUNED_FILE
-    if where.read(PRUNED_FILE) is not None:
+    if where.read(loc.PRUNED_FILE) is not None:
         raise ConfigError(f"--resume: {where.ray_experiment} finished and its training states "
                           f"were removed (--keep-checkpoints {saved['args'].get('keep_checkpoints')}"
                           "): nothing to resume; start a new search with another --experiment")
@@ -281,7 +270,6 @@ def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
 
 def _tracking_uri(args: argparse.Namespace, storage: Path) -> tuple[str, str | None]:
     """(MLflow tracking URI, the unreachable one it replaces or None), checked."""
-    from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
     uri = args.mlflow_uri or default_tracking_uri(storage)
     try:
         check_tracking_uri(uri)
@@ -306,7 +294,7 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
         return
     import torch
 
-    from mtbert.trainer import check_compile_mode
+    from mtbert.trainer import check_compile_mode  # deferred: torch
     modes = set(param.choices) if param.searched else {param.value}
     cuda = gpus_per_trial != 0 and torch.cuda.is_available()
     for mode in sorted(modes):
@@ -317,7 +305,6 @@ def _model(model: str) -> str:
     """``--model``, checked before Ray starts (its config, tokenizer and weights file, not
     the weights: a bad one is one error naming the file); a local folder made absolute
     for the workers."""
-    from mtbert.pretrained import check_model
     check_model(model)
     if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
         return str(Path(model).expanduser().resolve())
@@ -327,7 +314,7 @@ def _model(model: str) -> str:
 def _base_config(args: argparse.Namespace, budget: Budget, space: SearchSpace,
                  data_dir: Path, model: str) -> dict[str, Any]:
     """The TrainConfig fields every trial gets; checked valid with the space's fixed values."""
-    from mtbert.data import default_cache_dir
+    from mtbert.data import default_cache_dir  # deferred: torch, pyarrow
     base = {
         "model": model, "data_dir": str(data_dir.resolve()),
         "cache_dir": str(default_cache_dir("").resolve()),

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 
-from mtbert.config import TrainConfig, coerce_value, field_kind, field_range, read_yaml_file
+from mtbert.config import (TrainConfig, check_value, coerce_value, field_kind, field_range,
+                           read_yaml_file)
 from mtbert.errors import ConfigError
 
 #: fields that shape the tokenised data: one value per search (set by the driver)
@@ -309,7 +310,6 @@ def _value(where: str, key: str, value: Any) -> Any:
         raise SpaceError(f"{where}: {value!r} is not a single value; {_FORMAT_HINT}", key=key)
     try:
         coerced = coerce_value(key, value, source=where)
-        from mtbert.config import check_value
         check_value(TrainConfig.field_spec(key), coerced)
     except ConfigError as exc:
         msg = str(exc)

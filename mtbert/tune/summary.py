@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from mtbert.metrics import scalar_metrics
 from mtbert.tune.records import MODE, OBJECTIVE, TrialRecord, TrialStatus, rung_metric_label
-from mtbert.tune.settings import trial_config_values
+from mtbert.tune.trial_config import trial_config_values
 
 NAN = float("nan")
 

@@ -33,8 +33,7 @@ from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune import work_folders
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
-from mtbert.tune.search import MUTABLE_KEYS
-from mtbert.tune.settings import trial_config
+from mtbert.tune.trial_config import MUTABLE_KEYS, trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
 
@@ -100,7 +99,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
         _mark_failed(marker, str(exc))
         raise
     except Exception as exc:
-        from mtbert.trainer import NonFiniteLossError
+        from mtbert.trainer import NonFiniteLossError  # deferred: torch
         if isinstance(exc, NonFiniteLossError):
             _mark_failed(marker, f"non-finite loss: {exc}")
             raise TrialFailed(f"non-finite loss: {exc}") from None
@@ -175,7 +174,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     import torch
     import transformers
 
-    from mtbert.trainer import Trainer
+    from mtbert.trainer import Trainer  # deferred: torch, transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
