@@ -14,7 +14,7 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
 * ``grid``   -- report 004's way: dropout 0.1 ... 0.5 x lambda_s 1, 5 = 10 configurations,
   each trained to the full budget and scored once at the end;
 * ``random`` -- 10 random configurations in the same ranges, no early stopping;
-* the searcher/scheduler pairs of ``mtbert.tune.search`` (``METHODS`` below): ASHA with
+* the searcher/scheduler pairs of ``mtbert.tune.choices`` (``METHODS`` below): ASHA with
   Optuna TPE (independent or multivariate), BOHB, PBT, PB2 -- ``--trials`` configurations,
   ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
   ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``);
@@ -72,7 +72,7 @@ class Method:
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
     # asha-promote: its last promotion resumes with every worker's CPU, as the driver's
-    # does on one machine (mtbert.tune.search.build_tuner)
+    # does on one machine (mtbert.tune.tuner.build_tuner)
     last_leg: bool = False
     trials: int = 0  # configurations it samples (0: --trials)
 
@@ -213,7 +213,7 @@ def search_setup(name: str, args, seed: int):
     from ray import tune
 
     from mtbert.tune.choices import SCHEDULERS
-    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.tuner import build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     method = METHODS[name]
     budget = bench_budget(args, method)
@@ -246,7 +246,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
 
     from mtbert.tune import work_folders
     from mtbert.tune.choices import SCHEDULERS
-    from mtbert.tune.search import reuses_actors, trial_name
+    from mtbert.tune.tuner import reuses_actors, trial_name
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
     space, tune_kwargs, budget = search_setup(name, args, seed)

@@ -46,7 +46,7 @@ def _argv(tmp_path, model, data, *flags):
 
 def test_a_toy_scheduler_is_one_class(toy, tmp_path, capsys, tiny_model_dir, tiny_data_dir):
     from mtbert.tune.cli import build_parser, main
-    from mtbert.tune.search import build_scheduler, reuses_actors
+    from mtbert.tune.tuner import build_scheduler, reuses_actors
     from mtbert.tune.settings import resolve_settings
 
     parser = build_parser()

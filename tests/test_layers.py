@@ -34,7 +34,7 @@ LAYERS = [
                        "mtbert.tune.choices"]),
     ("tune: setup", ["mtbert.tune.spaces", "mtbert.tune.location", "mtbert.tune.cluster",
                      "mtbert.tune.tracking", "mtbert.tune.settings"]),
-    ("tune: run", ["mtbert.tune.search", "mtbert.tune.trainable"]),
+    ("tune: run", ["mtbert.tune.tuner", "mtbert.tune.trainable"]),
     ("tune: results", ["mtbert.tune.callback", "mtbert.tune.finalists", "mtbert.tune.report",
                        "mtbert.tune.importances", "mtbert.tune.summary",
                        "mtbert.tune.retention", "mtbert.tune.mlflow_results"]),
@@ -297,7 +297,7 @@ def test_the_trainer_never_imports_the_search(graph):
 
 def test_a_ray_worker_needs_no_command_line_module(graph):
     """The trainable reaches the trial-config merge without the CLI's settings module or
-    the Tuner's (search.py)."""
+    the Tuner's (tuner.py)."""
     _, imports, _ = graph
     reached, todo = set(), ["mtbert.tune.trainable"]
     while todo:
@@ -306,7 +306,7 @@ def test_a_ray_worker_needs_no_command_line_module(graph):
             if i.source == m and i.target not in reached:
                 reached.add(i.target)
                 todo.append(i.target)
-    assert reached.isdisjoint({"mtbert.tune.settings", "mtbert.tune.search",
+    assert reached.isdisjoint({"mtbert.tune.settings", "mtbert.tune.tuner",
                                "mtbert.tune.cli", "mtbert.tune.driver"})
 
 
@@ -355,6 +355,6 @@ def test_an_in_function_import_must_say_what_it_defers(tmp_path):
 
 
 def test_an_upward_import_is_reported():
-    imports = [Import("mtbert.tune.settings", "mtbert.tune.search", 3, False, frozenset())]
-    assert upward(imports) == ["mtbert.tune.settings (tune: setup) imports mtbert.tune.search "
+    imports = [Import("mtbert.tune.settings", "mtbert.tune.tuner", 3, False, frozenset())]
+    assert upward(imports) == ["mtbert.tune.settings (tune: setup) imports mtbert.tune.tuner "
                                "(tune: run), line 3"]

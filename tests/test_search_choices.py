@@ -274,7 +274,7 @@ def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model
     """The small budget evaluates on ASHA's rungs (x2); PBT / PB2 every 1,000 examples,
     their perturbation interval: in the base config and once the budget is resolved."""
     from mtbert.tune.cli import build_parser
-    from mtbert.tune.search import build_scheduler
+    from mtbert.tune.tuner import build_scheduler
     from mtbert.tune.settings import resolve_settings
     args = build_parser().parse_args(["--space", "smoke", "--budget", "small", "--model",
                                       tiny_model_dir, "--data-dir", tiny_data_dir,
@@ -342,7 +342,7 @@ def test_asha_decides_on_the_rung_metric(rung_metric, stopped):
 
     from mtbert.tune.budgets import get_budget
     from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.search import build_scheduler
+    from mtbert.tune.tuner import build_scheduler
     budget = get_budget("smoke").resolved(1000)
     asha = build_scheduler("asha", budget, rung_metric=RUNG_METRICS[rung_metric])
     assert asha.set_search_properties(OBJECTIVE, "max")  # what Tuner(metric=...) does
@@ -381,7 +381,7 @@ def _promoting_asha(budget, num_samples: int, first_rung: int, last_leg_cpus: fl
     with the driver's searcher (told at ``first_rung``) and a fake controller; the last
     value returned is the first rung's metric."""
     from mtbert.tune.records import rung_metric_keys
-    from mtbert.tune.search import build_scheduler, build_searcher
+    from mtbert.tune.tuner import build_scheduler, build_searcher
     from mtbert.tune.spaces import parse_space
     metrics = rung_metric_keys(rung_metric)
     asha = build_scheduler("asha-promote", budget, rung_metric=metrics, workers=2,
@@ -418,7 +418,7 @@ def test_rung_metric_names_one_metric_or_one_per_rung():
         rung_metric_keys("overall,sts")
     with pytest.raises(ConfigError, match="one metric per rung needs --scheduler asha-promote"):
         from mtbert.tune.budgets import get_budget
-        from mtbert.tune.search import build_scheduler
+        from mtbert.tune.tuner import build_scheduler
         build_scheduler("bohb", get_budget("smoke"), rung_metric=rung_metric_keys(
             "classes_soft,overall_soft"))
 
@@ -787,7 +787,7 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
 
 
 def test_actors_are_reused_only_where_no_trial_pauses_and_no_node_can_die():
-    from mtbert.tune.search import reuses_actors
+    from mtbert.tune.tuner import reuses_actors
     assert reuses_actors("asha", None) and reuses_actors("fifo", None)
     for pausing in ("bohb", "pbt", "pb2"):
         assert not reuses_actors(pausing, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtbert.tune.search import build_searcher
+from mtbert.tune.tuner import build_searcher
 from mtbert.tune.searchers import MAX_ASKS
 from mtbert.tune.spaces import parse_space
 

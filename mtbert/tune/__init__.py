@@ -12,7 +12,7 @@ A search, as :func:`mtbert.tune.driver.run` reads: :mod:`~mtbert.tune.cli` parse
 arguments, :mod:`~mtbert.tune.settings` checks them into one frozen ``SearchSettings``
 (exit 2, nothing written, on bad input), the driver loads and tokenises the data once,
 starts or joins Ray (:mod:`~mtbert.tune.cluster`), opens the MLflow parent run
-(:mod:`~mtbert.tune.tracking`), runs the Tuner (:mod:`~mtbert.tune.search`: Optuna TPE
+(:mod:`~mtbert.tune.tracking`), runs the Tuner (:mod:`~mtbert.tune.tuner`: Optuna TPE
 + ASHA over :mod:`~mtbert.tune.trainable` trials, each mirrored into MLflow by
 :mod:`~mtbert.tune.callback`), collects the trials (:mod:`~mtbert.tune.records`), lets
 the finalists' best checkpoints predict and ensembles them (:mod:`~mtbert.tune.finalists`),

@@ -4,7 +4,7 @@ Each choice is a small class that declares what a newcomer needs to know of it -
 name and ``--help`` line, the choices of the other flag it works with (and why only
 those), the optional extra it needs, whether trials reuse Ray's actors under it -- and
 builds its Ray object.  The command line (its ``choices`` and ``--help``), the settings'
-checks, the Tuner (search.py) and bench/search_efficiency.py all read :data:`SCHEDULERS`
+checks, the Tuner (tuner.py) and bench/search_efficiency.py all read :data:`SCHEDULERS`
 and :data:`SEARCHERS`; adding a scheduler is one class here, decorated with
 :func:`register` (its Ray class, if it needs one, in schedulers.py).  The model is Ray
 Tune's ``schedulers/`` (a name -> class table) and Optuna's ``pruners/``.
@@ -113,7 +113,7 @@ class SchedulerChoice(Choice):
     default_rung_metric: ClassVar[str] = DEFAULT_RUNG_METRIC
     #: takes one rung metric per decision rung
     per_rung_metrics: ClassVar[bool] = False
-    #: trials reuse Ray's actors (not where trials pause in turns: search.reuses_actors)
+    #: trials reuse Ray's actors (not where trials pause in turns: tuner.reuses_actors)
     reuses_actors: ClassVar[bool] = True
     #: perturbs running trials: they evaluate at a fixed interval, the population is every
     #: trial at once (no searcher limit), every checkpoint is kept while it runs
@@ -142,6 +142,9 @@ class SearcherChoice(Choice):
               scheduler: SchedulerChoice, first_rung: int, told_metric: str):
         raise NotImplementedError
 
+
+#: the pair's extra (both halves import it)
+BOHB_EXTRA = Extra("bohb", ("hpbandster", "ConfigSpace"))
 
 SCHEDULERS: dict[str, SchedulerChoice] = {}
 SEARCHERS: dict[str, SearcherChoice] = {}
@@ -214,11 +217,11 @@ class Fifo(SchedulerChoice):
 class HyperbandForBohb(SchedulerChoice):
     name = "bohb"
     help = "Hyperband for BOHB on the same rungs"
-    extra = Extra("bohb", ("hpbandster", "ConfigSpace"))
+    extra = BOHB_EXTRA
     works_with = ("bohb",)
     why_only = "HyperBandForBOHB and TuneBOHB only work as a pair"
     default_searcher = "bohb"
-    reuses_actors = False  # pauses trials in turns (search.reuses_actors)
+    reuses_actors = False  # pauses trials in turns (tuner.reuses_actors)
 
     def build(self, budget, space, metrics, workers, num_samples, last_leg_cpus):
         from mtbert.tune.schedulers import HyperBandOnRungs  # deferred: ray
@@ -230,7 +233,7 @@ class _Population(SchedulerChoice):
     works_with = ("random",)
     why_only = "population-based training perturbs trials Ray's random search started"
     default_searcher = "random"
-    reuses_actors = False  # pauses trials in turns (search.reuses_actors)
+    reuses_actors = False  # pauses trials in turns (tuner.reuses_actors)
     population = True
 
     def check_space(self, space) -> None:
@@ -377,7 +380,7 @@ class Random(SearcherChoice):
 class Bohb(SearcherChoice):
     name = "bohb"
     help = "TuneBOHB"
-    extra = Extra("bohb", ("hpbandster", "ConfigSpace"))
+    extra = BOHB_EXTRA
     works_with = ("bohb",)
     why_only = "TuneBOHB and HyperBandForBOHB only work as a pair"
     default_scheduler = "bohb"

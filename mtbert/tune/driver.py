@@ -28,7 +28,7 @@ from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
-from mtbert.tune.search import InterruptWatch, build_tuner
+from mtbert.tune.tuner import InterruptWatch, build_tuner
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
 from mtbert.tune.summary import NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker

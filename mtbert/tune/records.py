@@ -201,7 +201,7 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
 
 
 def _trial_id_of(result) -> str:
-    """The trial's id from its folder (``trial_<id>``: search.trial_name); its last
+    """The trial's id from its folder (``trial_<id>``: tuner.trial_name); its last
     metrics' ``trial_id`` can be another trial's: a trial PBT cloned from another's
     checkpoint that ends without reporting again keeps the clone's last result."""
     name = Path(result.path).name

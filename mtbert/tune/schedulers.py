@@ -134,7 +134,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
       resumed with the CPUs they and it held (``last_leg_cpus``, the search's places x
       CPUs per trial; torch threads follow the trial's CPUs), where it would otherwise
       train the whole rest of the budget alone beside idle workers (the driver's, on one
-      machine with CPU trials: see ``search.build_tuner``).
+      machine with CPU trials: see ``tuner.build_tuner``).
     * Once the searcher has given its ``num_samples`` trials and nothing runs or can be
       promoted, the best trial of the highest rung that promoted none (fewer than rf
       trials reached it: a search of 2 trials) is promoted, so that some trial trains
