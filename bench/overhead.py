@@ -49,7 +49,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
               "runtime_env", "ray::IDLE", "default_worker", "ray::")

@@ -21,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from search_efficiency import build_parser, parse_args
+from search_methods import DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base, bench_budget
 
 #: the scores compared: the objective, its soft stand-in and their parts
 SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",
@@ -33,15 +32,14 @@ SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "v
 def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
     from ray import tune
 
-    import search_efficiency as se
     from mtbert.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune import cluster, work_folders
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
-    base = se.bench_base(args)
+    base = bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
-    budget = se.bench_budget(args, se.METHODS[se.DEFAULT_METHOD])
+    budget = bench_budget(args, METHODS[DEFAULT_METHOD])
     cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers)
     rows = []
     for seed in seeds:
@@ -49,8 +47,8 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
                       "eval_at_start": False}
         trainable = tune.with_resources(
             tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
-        grid = {"dropout": tune.grid_search(list(se.DROPOUTS)),
-                "smart_lambda_sst": tune.grid_search(list(se.LAMBDAS))}
+        grid = {"dropout": tune.grid_search(list(DROPOUTS)),
+                "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
         storage = Path(args.out).resolve() / "rung_signal"
         tuner = tune.Tuner(trainable, param_space=grid, tune_config=tune.TuneConfig(
             num_samples=1), run_config=tune.RunConfig(
@@ -83,14 +81,13 @@ def correlations(rows: list[dict], grid_runs: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import search_efficiency as se
-    parser = se.build_parser(__doc__.split("\n\n")[0])
+    parser = build_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--stop", type=int, default=600,
                         help="stop each training at the first evaluation past this many "
                              "examples (600: past the second rung, 666)")
     parser.add_argument("--runs", help="search_efficiency's runs.json with the grid's runs "
                                        "(default OUT/runs.json)")
-    p, args = se.parse_args(argv, parser)
+    p, args = parse_args(argv, parser)
     runs_file = Path(args.runs or Path(args.out) / "runs.json")
     grid_runs = json.loads(runs_file.read_text())["runs"].get("grid", {})
     missing = [s for s in args.seed_list if str(s) not in grid_runs]
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rung_signal.json").write_text(json.dumps({"rows": rows, "rho": table}, indent=1))
-    print(f"\nSpearman rho with the full-budget val overall ({len(se.DROPOUTS) * len(se.LAMBDAS)}"
+    print(f"\nSpearman rho with the full-budget val overall ({len(DROPOUTS) * len(LAMBDAS)}"
           " configurations per seed)")
     print(f"{'seed':>4} {'examples':>8} " + " ".join(f"{k[4:]:>13}" for k in SCORES))
     for t in table:

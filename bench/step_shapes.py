@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,14 +29,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))  # its sibling throughput.py, also when loaded by path
+from mtbert.config import TrainConfig
+from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows
+from mtbert.trainer import Trainer
+from throughput import synchronize
 
-from mtbert.config import TrainConfig  # noqa: E402
-from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows  # noqa: E402
-from mtbert.trainer import Trainer  # noqa: E402
-from throughput import synchronize  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def batch_shapes(batches: dict[str, dict[str, torch.Tensor]]) -> tuple:

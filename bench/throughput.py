@@ -41,14 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mtbert.config import TrainConfig  # noqa: E402
-from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,  # noqa: E402
+from mtbert.config import TrainConfig
+from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
-from mtbert.losses import task_loss  # noqa: E402
-from mtbert.trainer import Trainer  # noqa: E402
+from mtbert.losses import task_loss
+from mtbert.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
 
 TASKS = ("sst", "qqp", "sts")
 

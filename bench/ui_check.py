@@ -24,10 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mtbert.tune.mlflow_results import LOCAL_UI, ui_links  # noqa: E402
+from mtbert.tune.mlflow_results import LOCAL_UI, ui_links
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """The bench/ scripts as modules, for the tests of their bookkeeping (bench/ is not a
-package: each script is loaded from its file)."""
+package: each script is loaded from its file, with bench/ on the import path as
+``python bench/NAME.py`` has it, so that a script's import of a sibling works)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
 
 
 def load_bench(name: str):

@@ -16,7 +16,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def se():
+    """The command line and runs.json."""
     return load("search_efficiency")
+
+
+@pytest.fixture(scope="module")
+def methods():
+    return load("search_methods")
+
+
+@pytest.fixture(scope="module")
+def stats():
+    return load("search_stats")
+
+
+@pytest.fixture(scope="module")
+def grid_stats():
+    return load("search_grid")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load("search_report")
 
 
 def two_trials():
@@ -30,8 +51,8 @@ def two_trials():
             {"at": 125.0, "examples": 60, "score": 0.6}]}]}
 
 
-def test_curve_counts_the_compute_of_trials_still_running(se):
-    points = se.curve(two_trials())
+def test_curve_counts_the_compute_of_trials_still_running(stats):
+    points = stats.curve(two_trials())
     assert [p["wall_s"] for p in points] == [15.0, 25.0, 30.0]
     assert [p["best"] for p in points] == [0.5, 0.7, 0.7]
     # at t=110: A has 30 examples, B (entered 105, 60 examples at 125) 5/20 of 60 = 15
@@ -43,14 +64,14 @@ def test_curve_counts_the_compute_of_trials_still_running(se):
     assert points[2]["trial_s"] == pytest.approx(20.0 + 20.0)
 
 
-def test_first_reaching_and_full_training(se):
-    points = se.curve(two_trials())
-    assert se.first_reaching(points, 0.6)["wall_s"] == 25.0  # A's 0.7 at 120 comes first
-    assert se.first_reaching(points, 0.71) is None
-    assert se.full_training_s(two_trials()) == pytest.approx(20.0)  # median of 20 and 20
+def test_first_reaching_and_full_training(stats):
+    points = stats.curve(two_trials())
+    assert stats.first_reaching(points, 0.6)["wall_s"] == 25.0  # A's 0.7 at 120 comes first
+    assert stats.first_reaching(points, 0.71) is None
+    assert stats.full_training_s(two_trials()) == pytest.approx(20.0)  # median of 20 and 20
 
 
-def test_seed_figures_against_the_grid_and_means_over_seeds(se):
+def test_seed_figures_against_the_grid_and_means_over_seeds(stats):
     """A method compared with the same seed's grid: the compute share at which it first
     reaches the grid's best, its wall time over one grid training, and its selected
     trial's dev against the grid's; means over seeds are None if any seed never reached."""
@@ -60,16 +81,16 @@ def test_seed_figures_against_the_grid_and_means_over_seeds(se):
             "trials": [{"trial": "C", "entered_at": 0.0, "reports": [
                 {"at": 10.0, "examples": 20, "score": 0.72}]}],
             "selected": {"dev": 0.59, "dev_se": 0.02, "val": 0.72, "val_se": 0.02}}
-    f = se.seed_figures(fast, grid)
+    f = stats.seed_figures(fast, grid)
     assert f["examples_to_grid_best_ratio"] == pytest.approx(20 / 120)
     assert f["trial_s_to_grid_best_ratio"] == pytest.approx(10 / 40)
     assert f["wall_vs_one_training"] == pytest.approx(30 / 20)
     assert f["dev_within_one_se_of_grid"] is True  # 0.59 >= 0.60 - 0.02
     slow = {**fast, "seed": 1, "trials": [{**fast["trials"][0], "reports": [
         {"at": 10.0, "examples": 20, "score": 0.65}]}], "selected": {**fast["selected"], "dev": 0.5}}
-    g = se.seed_figures(slow, {**grid, "seed": 1})
+    g = stats.seed_figures(slow, {**grid, "seed": 1})
     assert g["examples_to_grid_best_ratio"] is None and g["dev_within_one_se_of_grid"] is False
-    summary = se.summarise({"grid": {0: grid, 1: {**grid, "seed": 1}},
+    summary = stats.summarise({"grid": {0: grid, 1: {**grid, "seed": 1}},
                             "asha_tpe": {0: fast, 1: slow}})
     assert summary["asha_tpe"]["seeds"] == [0, 1]
     assert summary["asha_tpe"]["examples_to_grid_best_ratio"] == {
@@ -79,7 +100,7 @@ def test_seed_figures_against_the_grid_and_means_over_seeds(se):
     assert summary["asha_tpe"]["selected_dev"]["sd"] == pytest.approx(0.0636, abs=1e-4)
 
 
-def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
+def test_rank_methods_orders_by_targets_met_then_dev_then_compute(stats):
     """The default's rule: targets met per seed (mean), then the selected dev, then fewer
     examples; the baselines (grid, random), a pair on another space than the continuous
     one and methods with fewer than 3 seeds are not candidates."""
@@ -90,10 +111,10 @@ def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
 
     def method(*rows):
         return {"label": "m", "seeds": list(range(len(rows))), "per_seed": list(rows),
-                **{k: se.mean_sd([r[k] for r in rows]) for k in ("selected_dev", "examples")}}
-    assert se.targets_met(seed_row(0.3, 1.9, True, 0.6, 1)) == 3
-    assert se.targets_met(seed_row(None, 1.9, False, 0.6, 1)) == 1  # never reached
-    assert se.targets_met(seed_row(1 / 3, 2.0, True, 0.6, 1)) == 3  # the bounds are met
+                **{k: stats.mean_sd([r[k] for r in rows]) for k in ("selected_dev", "examples")}}
+    assert stats.targets_met(seed_row(0.3, 1.9, True, 0.6, 1)) == 3
+    assert stats.targets_met(seed_row(None, 1.9, False, 0.6, 1)) == 1  # never reached
+    assert stats.targets_met(seed_row(1 / 3, 2.0, True, 0.6, 1)) == 3  # the bounds are met
     summary = {
         # the baselines are not candidates, whatever their figures
         "grid": method(*[seed_row(0.5, 5, True, 0.7, 20000)] * 3),
@@ -109,23 +130,23 @@ def test_rank_methods_orders_by_targets_met_then_dev_then_compute(se):
         "two_seeds": method(*[seed_row(0.1, 1.0, True, 0.9, 100)] * 2),
         "asha_tpe_indep_steps": method(*[seed_row(0.1, 1.0, True, 0.9, 100)] * 3),
     }
-    ranking = se.rank_methods(summary)
+    ranking = stats.rank_methods(summary)
     assert [r["method"] for r in ranking] == ["cheap", "dev_cheaper", "dev_only"]
     assert ranking[0]["targets_met_per_seed"] == [2, 1, 1]
     assert ranking[0]["targets_met_mean"] == pytest.approx(4 / 3)
 
 
-def test_the_drivers_default_is_the_pair_the_benchmark_ranks_first(se):
+def test_the_drivers_default_is_the_pair_the_benchmark_ranks_first(se, methods, stats):
     """The default is the one the benchmark shows best.  The committed
     docs/search_efficiency.json holds the figures of every measured method and their
     ranking; the ranking is rank_methods' over those figures, and its first is the
     driver's default pair."""
     doc = json.loads((Path(se.REPO) / "docs" / "search_efficiency.json").read_text())
     assert len(doc["seeds"]) >= 3
-    assert [r["method"] for r in se.rank_methods(doc["methods"])] == [
+    assert [r["method"] for r in stats.rank_methods(doc["methods"])] == [
         r["method"] for r in doc["ranking"]]
     assert len(doc["ranking"]) >= 4  # random and the scheduler/searcher pairs, 3 seeds each
-    assert doc["ranking"][0]["method"] == doc["default"]["method"] == se.DEFAULT_METHOD
+    assert doc["ranking"][0]["method"] == doc["default"]["method"] == methods.DEFAULT_METHOD
 
 
 def _grid_run(seed: int, score) -> dict:
@@ -134,7 +155,7 @@ def _grid_run(seed: int, score) -> dict:
         for d in (0.1, 0.2, 0.3, 0.4, 0.5) for lam in (1.0, 5.0)]}
 
 
-def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
+def test_grid_analysis_separates_what_decides_the_grid_from_noise(grid_stats):
     """Scores that fall with dropout, a seed offset, a fixed lambda effect and a small
     interaction: the analysis finds the ranking alike over seeds, the per-dropout means,
     lambda's effect exactly, and the interaction as the residual."""
@@ -142,7 +163,7 @@ def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
     def score(d, lam, seed):
         return 0.7 - 0.5 * d + 0.01 * seed + (0.002 if lam == 5.0 else 0.0) + (
             wobble[seed] if d == 0.3 else 0.0)
-    a = se.grid_analysis({s: _grid_run(s, score) for s in (0, 1, 2)})
+    a = grid_stats.grid_analysis({s: _grid_run(s, score) for s in (0, 1, 2)})
     assert a["seeds"] == [0, 1, 2]
     assert all(r["rho"] == pytest.approx(1.0) for r in a["spearman_between_seeds"])
     assert len(a["spearman_between_seeds"]) == 3
@@ -156,50 +177,52 @@ def test_grid_analysis_separates_what_decides_the_grid_from_noise(se):
     noise = {(d, lam, s): v for (d, lam, s), v in zip(
         [(d, lam, s) for s in (0, 1, 2) for d in (0.1, 0.2, 0.3, 0.4, 0.5) for lam in (1.0, 5.0)],
         __import__("numpy").random.default_rng(0).normal(0.6, 0.01, 30))}
-    b = se.grid_analysis({s: _grid_run(s, lambda d, lam, s_: noise[(d, lam, s_)])
+    b = grid_stats.grid_analysis({s: _grid_run(s, lambda d, lam, s_: noise[(d, lam, s_)])
                           for s in (0, 1, 2)})
     assert b["anova_configs"]["p"] > 0.05
-    assert se.grid_analysis({0: _grid_run(0, score)}) is None  # one seed: nothing to compare
+    # one seed: nothing to compare
+    assert grid_stats.grid_analysis({0: _grid_run(0, score)}) is None
     ceiling = b["reach_ceiling"]
     assert ceiling["every_seed"]["1"] == pytest.approx(ceiling["per_seed"]["1"] ** 3)
     assert 0 < ceiling["per_seed"]["1"] < ceiling["per_seed"]["2"] < ceiling["per_seed"]["3"] < 1
 
 
-def test_reach_ceiling_against_its_closed_forms(se):
+def test_reach_ceiling_against_its_closed_forms(grid_stats):
     """k trainings of the best configuration against the grid's best: ten equal
     configurations give k / (k + 10) (the grid's maximum is any of the 10 + k draws
     equally); one configuration far above the rest, k / (k + 1)."""
-    equal = se.reach_ceiling([0.7] * 10, 0.01)
-    far = se.reach_ceiling([0.9] + [0.5] * 9, 0.01)
+    equal = grid_stats.reach_ceiling([0.7] * 10, 0.01)
+    far = grid_stats.reach_ceiling([0.9] + [0.5] * 9, 0.01)
     for k in (1, 2, 3):
         assert equal[k] == pytest.approx(k / (k + 10), abs=0.01)
         assert far[k] == pytest.approx(k / (k + 1), abs=0.01)
 
 
-def test_bench_budget_puts_the_rungs_where_the_method_says(se):
+def test_bench_budget_puts_the_rungs_where_the_method_says(methods):
     import argparse
     args = argparse.Namespace(full_examples=2000, warmup_examples=96, train_rows=1000,
                               eval_rows=300, trials=9)
-    assert se.bench_budget(args, se.METHODS["asha_tpe"]).rungs() == [222, 666, 1998]
-    late = se.bench_budget(args, se.METHODS["asha_tpe_late"])
+    assert methods.bench_budget(args, methods.METHODS["asha_tpe"]).rungs() == [222, 666, 1998]
+    late = methods.bench_budget(args, methods.METHODS["asha_tpe_late"])
     assert late.grace_period == 666 and late.rungs() == [666, 1998]
-    assert se.bench_budget(args, se.METHODS["grid"]).eval_every == 2000
+    assert methods.bench_budget(args, methods.METHODS["grid"]).eval_every == 2000
     for population in ("pbt", "pb2"):  # compared every full / 6, no growth
-        budget = se.bench_budget(args, se.METHODS[population])
+        budget = methods.bench_budget(args, methods.METHODS[population])
         assert (budget.eval_every, budget.eval_growth) == (333, 1)
-    assert se.DEFAULT_METHOD == "asha_promote_staged_last"  # the driver's pair and rung metric
+    # the driver's pair and rung metric
+    assert methods.DEFAULT_METHOD == "asha_promote_staged_last"
 
 
-def test_first_rung_spread(se):
+def test_first_rung_spread(grid_stats):
     run = {"trials": [
         {"best_val_se": 0.02, "reports": [{"examples": 224, "score": 0.41},
                                           {"examples": 672, "score": 0.5}]},
         {"best_val_se": 0.01, "reports": [{"examples": 220, "score": 0.43}]},
         {"reports": []}]}
-    f = se.first_rung_spread(run)
+    f = grid_stats.first_rung_spread(run)
     assert f["spread"] == pytest.approx(0.02) and f["examples"] == 222
     assert f["val_se"] == pytest.approx(0.015)
-    assert se.first_rung_spread({"trials": run["trials"][:1]}) is None
+    assert grid_stats.first_rung_spread({"trials": run["trials"][:1]}) is None
 
 
 def test_overhead_trial_split_adds_up_to_the_wall_time():
@@ -291,7 +314,7 @@ def test_step_shapes_padding_ladders(tiny_model_dir, tiny_data_dir, capsys):
     assert "padded tokens / real tokens" in capsys.readouterr().out
 
 
-def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path, capsys):
+def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, methods, tmp_path, capsys):
     """--gpus-per-trial: a share of one GPU, refused where torch sees no CUDA GPU; a
     runs.json from before the option (CPU runs) is reused on the CPU only."""
     import torch
@@ -303,7 +326,7 @@ def test_gpu_trials_option_is_checked_and_kept_apart_from_cpu_runs(se, tmp_path,
             se.parse_args(["--gpus-per-trial", "0.125", "--workers", "8"])
         assert "no CUDA GPU" in capsys.readouterr().err
     p, args = se.parse_args([])
-    old = {k: getattr(args, k) for k in se.SAME if k != "gpus_per_trial"}
+    old = {k: getattr(args, k) for k in methods.SAME if k != "gpus_per_trial"}
     runs = tmp_path / "runs.json"
     runs.write_text(json.dumps({"args": old, "runs": {"grid": {"0": {"wall_s": 1.0}}}}))
     assert se.load_runs(runs, args, p) == {"grid": {0: {"wall_s": 1.0}}}
@@ -331,7 +354,7 @@ def test_no_dashboard_option_starts_ray_without_one(se):
         ray.shutdown()
 
 
-def test_report_names_the_machine_the_runs_ran_on_not_the_reporting_one(se, tmp_path):
+def test_report_names_the_machine_the_runs_ran_on_not_the_reporting_one(se, report, tmp_path):
     """--report-only on another machine: the figures' machine is the one each run kept
     (the GPU runs' docs/gpu_h200 JSON once read this CPU's); several: all of them."""
     kept = json.loads((REPO / "docs" / "gpu_h200" / "search_efficiency_runs.json")
@@ -350,17 +373,17 @@ def test_report_names_the_machine_the_runs_ran_on_not_the_reporting_one(se, tmp_
     assert written["machine"] == h200
     assert written["default"]["wall_vs_one_training"] == pytest.approx(0.861, abs=0.001)
     kept["runs"]["grid"]["1"]["machine"] = {**h200, "gpu": "NVIDIA H100 80GB HBM3"}
-    assert len(se.runs_machine({m: {int(k): r for k, r in by_seed.items()}
+    assert len(report.runs_machine({m: {int(k): r for k, r in by_seed.items()}
                                 for m, by_seed in kept["runs"].items()})) == 2
-    assert se.runs_machine({})["cpu_count"] == os.cpu_count()
+    assert report.runs_machine({})["cpu_count"] == os.cpu_count()
 
 
-def test_carried_figures_fill_in_methods_the_runs_lack(se, tmp_path):
+def test_carried_figures_fill_in_methods_the_runs_lack(se, methods, report, tmp_path):
     """--carry-figures: an earlier search_efficiency.json's methods that runs.json lacks
     are kept (marked carried) and ranked beside the runs'; a method re-run is the run's;
     a file of other settings, or no such file, is refused."""
     _, args = se.parse_args(["--report-only"])
-    settings = {k: getattr(args, k) for k in se.SAME}
+    settings = {k: getattr(args, k) for k in methods.SAME}
     earlier = {"settings": settings, "commands": ["python bench/search_efficiency.py x"],
                "methods": {"bohb": {"label": "B", "seeds": [0, 1, 2]},
                            "pbt": {"label": "P", "seeds": [0, 1, 2]},
@@ -368,13 +391,13 @@ def test_carried_figures_fill_in_methods_the_runs_lack(se, tmp_path):
                "first_rung": {"bohb": {"0": {"examples": 224, "spread": 0.01}}}}
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
-    carried = se.carried_figures(str(path), {"pbt": {0: {}}}, settings)
+    carried = report.carried_figures(str(path), {"pbt": {0: {}}}, settings)
     assert sorted(carried) == ["bohb"]  # pbt was re-run; "gone" is no method
     assert carried["bohb"]["summary"] == {"label": "B", "seeds": [0, 1, 2], "carried": True}
     assert carried["bohb"]["first_rung"] == {"0": {"examples": 224, "spread": 0.01}}
-    assert se.carried_figures(None, {}, settings) == {}
+    assert report.carried_figures(None, {}, settings) == {}
     path.write_text(json.dumps({**earlier, "settings": {**settings, "lr": 1.0}}))
     with pytest.raises(SystemExit, match="measured with other settings \\(lr\\)"):
-        se.carried_figures(str(path), {}, settings)
+        report.carried_figures(str(path), {}, settings)
     with pytest.raises(SystemExit, match="not a search_efficiency.json"):
-        se.carried_figures(str(tmp_path / "missing.json"), {}, settings)
+        report.carried_figures(str(tmp_path / "missing.json"), {}, settings)

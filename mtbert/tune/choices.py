@@ -84,7 +84,8 @@ class Choice:
     why_only: ClassVar[str] = ""
 
     def help_line(self) -> str:
-        pair = f" (with {self.other_flag} {' / '.join(self.works_with)})" if self.works_with else ""
+        pair = (f" (with {self.other_flag} {' / '.join(self.works_with)})" if self.works_with
+                else "")
         extra = f" (pip install 'mtbert-tune[{self.extra.name}]')" if self.extra else ""
         return f"{self.name}: {self.help}{pair}{extra}"
 

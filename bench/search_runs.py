@@ -1,0 +1,171 @@
+"""One (method, seed) run of bench/search_efficiency.py on Ray, from the driver's own
+builders (``mtbert.tune.tuner``: searcher, scheduler, actor reuse; the driver's trainable),
+and every run asked for, each kept in ``OUT/runs.json`` as it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+from mtbert.tune.choices import SCHEDULERS
+from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
+from search_methods import (DROPOUTS, LAMBDAS, METHODS, SAME, SOFT, SPACES, bench_base,
+                            bench_budget)
+
+
+def search_setup(name: str, args, seed: int):
+    """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
+    from ray import tune
+
+    from mtbert.tune.spaces import parse_space
+    from mtbert.tune.tuner import build_scheduler, build_searcher
+    method = METHODS[name]
+    budget = bench_budget(args, method)
+    space = parse_space(SPACES[method.space], "bench/search_efficiency.py")
+    if method.searcher == "grid":
+        grid = {"dropout": tune.grid_search(list(DROPOUTS)),
+                "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
+        return grid, dict(num_samples=1, scheduler=build_scheduler("fifo", budget),
+                          search_alg=build_searcher("random", seed, args.workers, 1)), budget
+    population = SCHEDULERS[method.scheduler].population
+    n = {"fifo": len(DROPOUTS) * len(LAMBDAS)}.get(
+        method.scheduler, args.population if population else method.trials or args.trials)
+    # PBT: every trial of the population is in the searcher's hands (Ray's resources
+    # bound how many train at once), as the driver does
+    searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n,
+                              method.scheduler, budget.grace_period,
+                              rung_metric_keys(method.rung_metric))
+    return space.param_space(), dict(
+        num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
+                                                 rung_metric_keys(method.rung_metric),
+                                                 args.workers, n,
+                                                 # (GPU trials keep theirs, as in the driver)
+                                                 args.workers if method.last_leg
+                                                 and not args.gpus_per_trial else 0),
+        search_alg=searcher), budget
+
+
+def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> dict:
+    from ray import tune
+
+    from mtbert.tune import work_folders
+    from mtbert.tune.settings import run_fields
+    from mtbert.tune.trainable import train_trial
+    from mtbert.tune.tuner import reuses_actors, trial_name
+    space, tune_kwargs, budget = search_setup(name, args, seed)
+    trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
+                  "eval_at_start": False}
+    # PBT restores a trial from another's checkpoint some time after choosing it: all kept
+    keep = None if SCHEDULERS[METHODS[name].scheduler].population else 1
+    trainable = tune.with_resources(
+        tune.with_parameters(train_trial, data=data, base=trial_base),
+        {"cpu": 1, "gpu": args.gpus_per_trial})
+    tuner = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
+                                    # the driver's choice (Ray's default is no reuse)
+                                    reuse_actors=reuses_actors(METHODS[name].scheduler, None),
+                                    trial_name_creator=trial_name,
+                                    trial_dirname_creator=trial_name, **tune_kwargs),
+        run_config=tune.RunConfig(name=f"{name}-seed{seed}", storage_path=str(storage),
+                                  verbose=1, checkpoint_config=tune.CheckpointConfig(
+                                      num_to_keep=keep, checkpoint_score_attribute=OBJECTIVE,
+                                      checkpoint_score_order=MODE)))
+    started = time.time()
+    grid = tuner.fit()
+    ended = time.time()
+    work_folders.sweep(wait_s=5.0)  # as the driver does: the ended workers' folders
+    trials, best = [], None
+    for result in grid:
+        df = result.metrics_dataframe
+        if df is None or df.empty or OBJECTIVE not in df.columns:
+            continue
+        top = df.loc[df[OBJECTIVE].idxmax()]
+        trial = {"trial": result.metrics.get("trial_id"),
+                 "config": {k: float(result.config[k]) for k in ("dropout", "smart_lambda_sst")},
+                 "entered_at": float(df["time/entered_at"].iloc[0]),
+                 "best_val": float(top[OBJECTIVE]), "best_val_se": float(top[OBJECTIVE + "_se"]),
+                 "reports": [{"at": float(row["time/reported_at"]),
+                              "examples": int(row["examples_seen"]),
+                              "score": float(row[OBJECTIVE]),
+                              **({"soft": float(row[SOFT])} if SOFT in df.columns else {})}
+                             for _, row in df.iterrows()]}
+        trials.append(trial)
+        checkpoint = result.get_best_checkpoint(OBJECTIVE, MODE)
+        if checkpoint is not None and (best is None or trial["best_val"] > best[0]["best_val"]):
+            best = (trial, checkpoint.path)
+    run = {"method": name, "seed": seed, "started": started, "wall_s": ended - started,
+           "trials": trials, "num_trials": len(grid),
+           "errors": sum(r.error is not None for r in grid)}
+    if best is not None:
+        run["selected"] = {"trial": best[0]["trial"], "config": best[0]["config"],
+                           "val": best[0]["best_val"], "val_se": best[0]["best_val_se"],
+                           **dev_score(best[1], data, base["device"])}
+    return run
+
+
+def dev_score(checkpoint_dir: str, data, device: str = "cpu") -> dict:
+    """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
+    from mtbert.trainer import as_label
+    from mtbert.tune.finalists import predict_member, score_split
+    preds = predict_member(checkpoint_dir, data, device, splits=("dev",))["dev"]
+    m = score_split(data, "dev", {t: as_label(t, p) for t, p in preds.items()})
+    return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
+
+
+def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
+    """Run every (seed, method) asked for; each finished run is added to runs.json."""
+    import ray
+
+    from mtbert.config import TrainConfig
+    from mtbert.data import load_data
+    from mtbert.tune import cluster
+    storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
+    machine = this_machine(bool(args.gpus_per_trial))  # kept with each run: --report-only
+    base = bench_base(args)
+    data = load_data(TrainConfig.from_dict(base, source="bench"))
+    print(f"[bench] training rows {data.train_sizes()}; one full training = "
+          f"{args.full_examples} examples; {args.workers} workers; seeds {args.seed_list}",
+          flush=True)
+    # (GPUs: Ray counts the machine's; trials share them by --gpus-per-trial)
+    cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers,
+                            **({} if args.gpus_per_trial else {"num_gpus": 0}))
+    try:
+        for seed in args.seed_list:
+            for name in args.method_list:
+                print(f"[bench] seed {seed}: {METHODS[name].label} ...", flush=True)
+                run = run_method(name, seed, data, base, args, storage)
+                runs.setdefault(name, {})[seed] = {**run, "command": command,
+                                                   "machine": machine}
+                print(f"[bench] seed {seed} {name}: {run['num_trials']} trials in "
+                      f"{run['wall_s']:.0f} s", flush=True)
+                if run["errors"]:
+                    print(f"[bench] seed {seed} {name}: {run['errors']} trials failed (Ray's "
+                          f"error files under {storage / f'{name}-seed{seed}'}); its figures "
+                          "are marked, run it again", flush=True)
+                elif not args.keep_trials:
+                    # runs.json holds every figure (the selected checkpoint's dev included);
+                    # the trials' checkpoints (~0.3 GB each, PBT keeps all) would fill a disk
+                    shutil.rmtree(storage / f"{name}-seed{seed}", ignore_errors=True)
+                kept = {"args": {k: getattr(args, k) for k in SAME}, "runs": runs}
+                tmp = runs_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(kept, default=str), encoding="utf-8")
+                tmp.replace(runs_file)  # every finished run is kept, even if a later one fails
+    finally:
+        ray.shutdown()
+    return runs
+
+
+def this_machine(gpu: bool = False) -> dict:
+    """Where a run ran: CPUs, platform (and the GPU's name where trials used one)."""
+    facts = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+             "processor": platform.processor() or platform.machine()}
+    if gpu:
+        import torch
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
