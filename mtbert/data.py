@@ -509,11 +509,13 @@ def static_length(longest: int, max_length: int) -> int:
     return max(longest, max_length)
 
 
-def _pad(rows: list[np.ndarray], pad_id: int, width: int, num_rows: int = 0,
+def _pad(rows: list[np.ndarray], pad_id: int, width: int = 0, num_rows: int = 0,
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_rows or len(rows), width]`` ids and mask.  Filler rows past ``len(rows)`` hold
-    one attended ``pad_id`` token (so attention and mean pooling stay finite)."""
+    """``[num_rows or len(rows), width]`` ids and mask (``width`` 0: the longest row's).
+    Filler rows past ``len(rows)`` hold one attended ``pad_id`` token (so attention and
+    mean pooling stay finite)."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = width or int(lengths.max())
     if num_rows > len(rows):
         lengths = np.concatenate([lengths, np.ones(num_rows - len(rows), dtype=np.int64)])
         rows = [*rows, *([np.full(1, pad_id, dtype=np.int32)] * (num_rows - len(rows)))]

@@ -34,6 +34,7 @@ import torch
 
 from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig, coerce_value, read_yaml_file
+from mtbert.cosine_init import fit_qqp_cosine
 from mtbert.data import (ROW_WEIGHTS, MultitaskData, Split, TaskBatcher, collate, encoding_for,
                          eval_batches, eval_rows, eval_token_cap, real_rows)
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
@@ -42,6 +43,8 @@ from mtbert.losses import build_loss_combiner, task_loss
 from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
+from mtbert.predictions import write_predictions as write_prediction_files
+from mtbert.pretrain import run_pretraining
 from mtbert.schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.step_graphs import StepGraphs, eager_reason, graphs_wanted
@@ -237,10 +240,8 @@ class Trainer:
         resume -- which only the Trainer knows; each caller would repeat all of that."""
         cfg, data = self.cfg, self.data
         if cfg.pretrain != "none":
-            from mtbert.pretrain import run_pretraining
             run_pretraining(cfg, data, self.model, self.device, log=self.log)
         if getattr(self.model, "qqp_cosine_start", False):
-            from mtbert.cosine_init import fit_qqp_cosine
             fit = fit_qqp_cosine(self.model, data.split("qqp", "train"), cfg.cosine_fit_rows,
                                  data.pad_id, eval_rows(cfg.eval_batch_size, self.device.type),
                                  self.device, cfg.seed)
@@ -526,9 +527,9 @@ class Trainer:
 
     def write_predictions(self, split_name: str, predictions: dict[str, np.ndarray],
                           folder: Path | None = None) -> None:
-        from mtbert.predictions import write_predictions
-        write_predictions(folder or self.out_dir / "predictions", split_name,
-                          {t: self.data.split(t, split_name) for t in predictions}, predictions)
+        write_prediction_files(folder or self.out_dir / "predictions", split_name,
+                               {t: self.data.split(t, split_name) for t in predictions},
+                               predictions)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, metrics: dict | None = None) -> Path:
