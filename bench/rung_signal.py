@@ -37,6 +37,7 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
     from mtbert.tune import cluster, work_folders
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
+    from mtbert.tune.tuner import make_tuner
     base = bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     budget = bench_budget(args, METHODS[DEFAULT_METHOD])
@@ -50,11 +51,9 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
         grid = {"dropout": tune.grid_search(list(DROPOUTS)),
                 "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
         storage = Path(args.out).resolve() / "rung_signal"
-        tuner = tune.Tuner(trainable, param_space=grid, tune_config=tune.TuneConfig(
-            num_samples=1), run_config=tune.RunConfig(
-                name=f"seed{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
-                storage_path=str(storage), stop={"examples_seen": args.stop}, verbose=0,
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=1)))
+        tuner = make_tuner(trainable, grid, name=f"seed{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
+                           storage_path=str(storage), num_samples=1, num_to_keep=1,
+                           stop={"examples_seen": args.stop}, verbose=0)
         for result in tuner.fit():
             for _, row in result.metrics_dataframe.iterrows():
                 rows.append({"seed": seed, "dropout": result.config["dropout"],

@@ -56,7 +56,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     from mtbert.tune import work_folders
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
-    from mtbert.tune.tuner import reuses_actors, trial_name
+    from mtbert.tune.tuner import make_tuner, reuses_actors
     space, tune_kwargs, budget = search_setup(name, args, seed)
     trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
                   "eval_at_start": False}
@@ -65,17 +65,10 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     trainable = tune.with_resources(
         tune.with_parameters(train_trial, data=data, base=trial_base),
         {"cpu": 1, "gpu": args.gpus_per_trial})
-    tuner = tune.Tuner(
-        trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode=MODE,
-                                    # the driver's choice (Ray's default is no reuse)
-                                    reuse_actors=reuses_actors(METHODS[name].scheduler, None),
-                                    trial_name_creator=trial_name,
-                                    trial_dirname_creator=trial_name, **tune_kwargs),
-        run_config=tune.RunConfig(name=f"{name}-seed{seed}", storage_path=str(storage),
-                                  verbose=1, checkpoint_config=tune.CheckpointConfig(
-                                      num_to_keep=keep, checkpoint_score_attribute=OBJECTIVE,
-                                      checkpoint_score_order=MODE)))
+    tuner = make_tuner(trainable, space, name=f"{name}-seed{seed}", storage_path=str(storage),
+                       # the driver's choice (Ray's default is no reuse)
+                       reuse_actors=reuses_actors(METHODS[name].scheduler, None),
+                       num_to_keep=keep, verbose=1, **tune_kwargs)
     started = time.time()
     grid = tuner.fit()
     ended = time.time()

@@ -95,30 +95,45 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
     scheduler = build_scheduler(settings.scheduler, settings.budget, settings.space,
                                 rung_metric_keys(settings.rung_metric), max_concurrent,
                                 settings.num_samples, last_leg_cpus(settings, max_concurrent))
+    return make_tuner(
+        trainable, param_space, name=settings.experiment, storage_path=location.ray_storage,
+        num_samples=settings.num_samples,
+        # PBT's population is every trial at once (Ray runs as many as fit and pauses
+        # them in turn); a searcher's limit would shrink it to the trials running
+        search_alg=build_searcher(
+            settings.search_alg, settings.seed, 0 if population else max_concurrent,
+            settings.num_samples, settings.scheduler, settings.budget.grace_period,
+            rung_metric_keys(settings.rung_metric)),
+        scheduler=scheduler, reuse_actors=reuses_actors(settings.scheduler, settings.address),
+        # PBT / PB2 keep every checkpoint while they run: a trial restores another's
+        # latest checkpoint some time after PBT chose it, and by then a top-2 rule can
+        # have deleted it (Ray warns so); --keep-checkpoints prunes them at the end
+        num_to_keep=None if population else 2, max_failures=settings.max_failures,
+        callbacks=callbacks), scheduler
+
+
+def make_tuner(trainable, param_space: dict, *, name: str, storage_path: str,
+               num_samples: int, search_alg=None, scheduler=None, reuse_actors: bool = False,
+               num_to_keep: int | None = 2, max_failures: int = 0,
+               callbacks: list[Any] | None = None, **run_config: Any):
+    """The one way a Tuner is made (the driver's, and the benches' that time it): trials
+    named ``trial_<id>`` and compared on the objective, each keeping its ``num_to_keep``
+    best checkpoints by it (None: all); ``run_config``: more of Ray's RunConfig
+    (``verbose``, ``stop``)."""
+    from ray import tune
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=OBJECTIVE, mode=MODE, num_samples=settings.num_samples,
-            # PBT's population is every trial at once (Ray runs as many as fit and pauses
-            # them in turn); a searcher's limit would shrink it to the trials running
-            search_alg=build_searcher(
-                settings.search_alg, settings.seed,
-                0 if population else max_concurrent,
-                settings.num_samples, settings.scheduler, settings.budget.grace_period,
-                rung_metric_keys(settings.rung_metric)),
-            scheduler=scheduler,
-            reuse_actors=reuses_actors(settings.scheduler, settings.address),
+            metric=OBJECTIVE, mode=MODE, num_samples=num_samples, search_alg=search_alg,
+            scheduler=scheduler, reuse_actors=reuse_actors,
             trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(
-            name=settings.experiment, storage_path=location.ray_storage,
-            # PBT / PB2 keep every checkpoint while they run: a trial restores another's
-            # latest checkpoint some time after PBT chose it, and by then a top-2 rule can
-            # have deleted it (Ray warns so); --keep-checkpoints prunes them at the end
+            name=name, storage_path=storage_path,
             checkpoint_config=tune.CheckpointConfig(
-                num_to_keep=None if population else 2,
-                checkpoint_score_attribute=OBJECTIVE, checkpoint_score_order=MODE),
-            failure_config=tune.FailureConfig(max_failures=settings.max_failures),
-            callbacks=callbacks)), scheduler
+                num_to_keep=num_to_keep, checkpoint_score_attribute=OBJECTIVE,
+                checkpoint_score_order=MODE),
+            failure_config=tune.FailureConfig(max_failures=max_failures),
+            callbacks=callbacks, **run_config))
 
 
 class InterruptWatch:
