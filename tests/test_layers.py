@@ -44,10 +44,6 @@ LAYERS = [
 HEAVY = {"ray", "mlflow", "optuna", "torch", "transformers", "matplotlib", "pandas", "scipy",
          "pyarrow", "sklearn", "hpbandster", "ConfigSpace"}
 _DEFERRED = re.compile(r"#\s*deferred:\s*([A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*)")
-#: in-function imports in modules another engineer is changing now; each is no cycle and
-#: points downward or within its layer -- to move to module level when trainer.py is free
-PENDING = {("mtbert.trainer", "mtbert.pretrain"), ("mtbert.trainer", "mtbert.cosine_init"),
-           ("mtbert.trainer", "mtbert.predictions")}
 
 
 @dataclass(frozen=True)
@@ -246,7 +242,7 @@ def bad_in_function_imports(modules, imports, packages) -> list[str]:
     loaded = transitive_packages(modules, imports, packages)
     bad = []
     for imp in imports:
-        if not imp.in_function or (imp.source, imp.target) in PENDING:
+        if not imp.in_function:
             continue
         where = f"{imp.source} line {imp.line}: in-function import of {imp.target}"
         named = imp.deferred & HEAVY
