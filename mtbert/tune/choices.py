@@ -61,6 +61,8 @@ from mtbert.tune.trial_config import MUTABLE_KEYS
 #: over 3 seeds (docs/bench/search_efficiency.md)
 DEFAULT_SCHEDULER = "asha-promote"
 DEFAULT_SEARCHER = "optuna"
+#: ``--keep-checkpoints``: what a finished search keeps (retention.py)
+KEEP_CHOICES = ("best", "all", "none")
 
 
 @dataclass(frozen=True)

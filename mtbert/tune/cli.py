@@ -16,9 +16,9 @@ from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import ConfigError, MtbertError
 from mtbert.tune.budgets import BUDGETS
 from mtbert.tune.cluster import quiet_environment
-from mtbert.tune.choices import DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS, SEARCHERS
+from mtbert.tune.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEEP_CHOICES, SCHEDULERS,
+                                 SEARCHERS)
 from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
-from mtbert.tune.retention import KEEP_CHOICES
 from mtbert.tune.settings import resolve_settings, resume_command
 from mtbert.tune.spaces import list_spaces
 

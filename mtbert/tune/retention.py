@@ -26,7 +26,6 @@ from pathlib import Path
 from mtbert.tune.location import PRUNED_FILE, STAGED_CHECKPOINTS, ExperimentLocation, filesystem
 from mtbert.tune.summary import counted
 
-KEEP_CHOICES = ("best", "all", "none")
 MODELS_DIR = "models"
 
 

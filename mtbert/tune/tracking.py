@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +61,8 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         check_creatable(db.parent, f"--mlflow-uri {uri}")
         return
     if uri.startswith(("http://", "https://")):
+        import urllib.error  # only for a server's URI (http.client: --help stays fast)
+        import urllib.request
         url = uri.rstrip("/") + "/health"
         try:
             with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (user URI)
