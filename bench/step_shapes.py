@@ -83,7 +83,7 @@ def run(args) -> dict:
     trainer = Trainer(cfg, load_data(cfg), Path(tempfile.mkdtemp(prefix="mtbert-shapes-")),
                       checkpoints=False)
     device = trainer.device
-    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
+    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer.epoch_plan(epoch)]
     log, started = StepLog(), time.perf_counter()
     for i, group in enumerate(plan):
         batches = trainer.next_batches(group)

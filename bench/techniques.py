@@ -107,7 +107,7 @@ def _setup(args: argparse.Namespace, variants: list[str]):
 def _timed_step(trainer, group, device) -> float:
     import torch
     start = time.perf_counter()
-    trainer._optimizer_step(group)
+    trainer.optimizer_step(group)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -125,7 +125,7 @@ def memory_worker(args: argparse.Namespace) -> dict:
     trainers, batches, device = _setup(args, [args.worker])
     trainer = trainers[args.worker]
     for k in range(args.warmup):
-        trainer._optimizer_step(batches(k, min(8, args.batch_size)))
+        trainer.optimizer_step(batches(k, min(8, args.batch_size)))
     group = batches(10_000, args.batch_size)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -151,7 +151,7 @@ def timing_worker(args: argparse.Namespace, variants: list[str]) -> dict:
     for k in range(args.warmup):
         small = batches(k, min(8, args.batch_size))
         for trainer in trainers.values():
-            trainer._optimizer_step(small)
+            trainer.optimizer_step(small)
     times = {v: [] for v in variants}
     tokens = []
     for r in range(args.steps):

@@ -101,7 +101,7 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
     trainer = Trainer(cfg, data, out, checkpoints=False)
     device = trainer.device
     startup_s = time.time() - spawned_at
-    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(epoch)]
+    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer.epoch_plan(epoch)]
     warmup, steps = settings["warmup"], settings["steps"]
     plan = (plan * (1 + (warmup + steps) // max(len(plan), 1)))[: warmup + steps]
 
@@ -127,7 +127,7 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
         syncs.extend(str(w.message).splitlines()[0] for w in caught
                      if "synchroniz" in str(w.message))
         synchronize(device)
-        trainer._check_losses()  # the NaN check the trainer makes at its log points
+        trainer.check_losses()  # the NaN check the trainer makes at its log points
         return examples, flops, started, time.time()
 
     _, _, w0, w1 = run(plan[:warmup])
@@ -226,7 +226,7 @@ def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmu
         trainer.train_batches({task: b})
     synchronize(trainer.device)
     seconds = time.perf_counter() - t
-    trainer._check_losses()
+    trainer.check_losses()
     examples = sum(real_rows(b) for b in batches[warmup:])
     flops = sum(useful_flops(trainer.model.encoder, batch_lengths(b)) for b in batches[warmup:])
     return examples / seconds, flops / seconds

@@ -45,7 +45,7 @@ from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.predictions import write_predictions as write_prediction_files
 from mtbert.pretrain import run_pretraining
-from mtbert.schedules import build_schedule, super_batches
+from mtbert.task_schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.step_graphs import StepGraphs, eager_reason, graphs_wanted
 from mtbert.tasks import TASK_NAMES, TASKS
@@ -275,7 +275,9 @@ class Trainer:
                         "name": "loss_combiner"})
         return out
 
-    def _epoch_plan(self, epoch: int) -> list[tuple[str, ...]]:
+    def epoch_plan(self, epoch: int) -> list[tuple[str, ...]]:
+        """Epoch ``epoch``'s schedule steps: a tuple of tasks each (super-batches under
+        ``update=summed``); a pure function of the seed and the epoch."""
         rng = np.random.default_rng([self.cfg.seed, 7919, epoch])
         steps = self.schedule.plan(epoch, rng)
         return super_batches(steps) if self.cfg.update == "summed" else steps
@@ -285,7 +287,7 @@ class Trainer:
         schedule), at nominal batch sizes."""
         steps, examples = 0, 0
         for epoch in range(1, self.cfg.epochs + 1):
-            for group in self._epoch_plan(epoch):
+            for group in self.epoch_plan(epoch):
                 steps += 1 if self.cfg.update == "summed" else len(group)
                 examples += sum(self.cfg.task_batch_size(t) for t in group)
                 if self.cfg.max_examples and examples >= self.cfg.max_examples:
@@ -318,7 +320,7 @@ class Trainer:
             self._evaluate_and_report()  # where training starts from (not on resume)
         done = self._budget_spent()
         while not done and self.epoch <= cfg.epochs:
-            plan = self._epoch_plan(self.epoch)
+            plan = self.epoch_plan(self.epoch)
             while self.step_in_epoch < len(plan):
                 step_started = time.perf_counter()
                 self.train_batches(self.next_batches(plan[self.step_in_epoch]))
@@ -372,7 +374,7 @@ class Trainer:
             if self.step_graphs is not None:
                 self._graphed_step(step)
             else:
-                self._optimizer_step({t: self._to_device(b) for t, b in step.items()})
+                self.optimizer_step({t: self._to_device(b) for t, b in step.items()})
         self.examples_seen += examples
 
     def _graphed_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -383,11 +385,13 @@ class Trainer:
 
     def _note_losses(self, losses: dict[str, torch.Tensor]) -> None:
         lr = self.lr_scheduler.get_last_lr()[0]
-        for task, loss in losses.items():  # no host sync: checked in _check_losses
+        for task, loss in losses.items():  # no host sync: checked in check_losses
             self._pending_losses.append(loss.detach().float())
             self._pending_where.append((task, self.examples_seen, lr))
 
-    def _optimizer_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
+    def optimizer_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
+        """One eager optimizer step on device ``batches`` ({task: batch}); counts no
+        examples (``train_batches`` does, and takes the graphed step where it runs)."""
         if self.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
             torch.compiler.cudagraph_mark_step_begin()
         self.model.train()
@@ -416,7 +420,7 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return to_device(batch, self.device)
 
-    def _check_losses(self) -> None:
+    def check_losses(self) -> None:
         """Copy the pending step losses to the host (one transfer), add them to the running
         sums, and raise NonFiniteLossError at the first NaN/Inf one."""
         if not self._pending_losses:
@@ -438,7 +442,7 @@ class Trainer:
         if now - self._last_log < 10:
             return
         self._last_log = now
-        self._check_losses()
+        self.check_losses()
         rate = (self.examples_seen - self._examples_at_start) / max(now - self._start, 1e-9)
         budget = f"/{self.cfg.max_examples}" if self.cfg.max_examples else ""
         losses = " ".join(f"{t}={self._loss_sums[t] / self._loss_counts[t]:.3f}"
@@ -448,7 +452,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_and_report(self) -> None:
-        self._check_losses()  # a diverged run stops here, before it is scored or saved
+        self.check_losses()  # a diverged run stops here, before it is scored or saved
         eval_started = time.perf_counter()
         metrics = self.evaluate("val")
         saving_started = time.perf_counter()

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 LAYERS = [
     ("base", ["mtbert", "mtbert.errors", "mtbert.atomic", "mtbert.config", "mtbert.tasks"]),
     ("parts", ["mtbert.pretrained", "mtbert.data", "mtbert.model", "mtbert.cosine_init",
-               "mtbert.losses", "mtbert.gradients", "mtbert.smart", "mtbert.schedules",
+               "mtbert.losses", "mtbert.gradients", "mtbert.smart", "mtbert.task_schedules",
                "mtbert.lr_schedules", "mtbert.metrics", "mtbert.predictions",
                "mtbert.ensemble"]),
     ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.training_state",

@@ -106,7 +106,7 @@ def test_a_trial_meets_few_batch_shapes(tiny_config, tmp_path):
     trainer = Trainer(cfg, load_data(cfg), tmp_path, checkpoints=False)
     shapes: dict[str, set] = {"sst": set(), "qqp": set(), "sts": set()}
     for epoch in (1, 2):
-        for group in trainer._epoch_plan(epoch):
+        for group in trainer.epoch_plan(epoch):
             for task, batch in trainer.next_batches(group).items():
                 shapes[task].add(batch_shapes(batch))
                 assert len(batch["labels"]) == cfg.task_batch_size(task)
@@ -143,12 +143,12 @@ def test_graph_step_bookkeeping_gives_the_eager_weights(tiny_config, tmp_path, u
             trainer.regulariser.initial_noise = fixed_noise
         if mode == "graphed":
             graphed_on_cpu(trainer)
-        plan = trainer._epoch_plan(1)
+        plan = trainer.epoch_plan(1)
         for i, group in enumerate(plan[:6]):
             if mode == "graphed" and i == 2:
                 trainer.step_graphs.allocate_grads()
             trainer.train_batches(trainer.next_batches(group))
-        trainer._check_losses()
+        trainer.check_losses()
         runs[mode] = ([p.detach().clone() for p in trainer.model.parameters()],
                       trainer.lr_scheduler.get_last_lr(), trainer._loss_sums)
     (w_e, lr_e, loss_e), (w_g, lr_g, loss_g) = runs["eager"], runs["graphed"]

@@ -155,7 +155,7 @@ def test_compiled_model_matches_eager_on_cpu(tiny_config, tmp_path):
         torch.manual_seed(0)
         trainer = Trainer(cfg.replace(compile=mode), data, tmp_path / mode, checkpoints=False)
         for batch in batches:
-            trainer._optimizer_step({"sst": batch})
+            trainer.optimizer_step({"sst": batch})
         losses = torch.stack(trainer._pending_losses).numpy()
         pred = predict_split(trainer.model, data.split("sst", "val"), "single", data.pad_id, 64,
                              trainer.device, static_max_length=cfg.max_length)

@@ -21,12 +21,12 @@ SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0, s
 def run_steps(cfg, data, folder, mode: str, steps: int = 20):
     torch.manual_seed(0)
     trainer = Trainer(cfg.replace(step_mode=mode), data, folder, checkpoints=False)
-    plan = [g for e in range(1, cfg.epochs + 1) for g in trainer._epoch_plan(e)]
+    plan = [g for e in range(1, cfg.epochs + 1) for g in trainer.epoch_plan(e)]
     plan = (plan * (1 + steps // len(plan)))[:steps]
     for group in plan:
         trainer.train_batches(trainer.next_batches(group))
     losses = torch.stack(trainer._pending_losses).cpu().numpy()
-    trainer._check_losses()
+    trainer.check_losses()
     return trainer, losses
 
 
