@@ -99,10 +99,14 @@ class LossCombiner(nn.Module):
     def weighted(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(losses)
 
+    def penalised(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters :meth:`penalty` reaches ([] when both penalties are 0)."""
+        return penalised_parameters(model) if self.l1 or self.l2 else []
+
     def penalty(self, model: nn.Module) -> torch.Tensor | None:
-        if self.l1 == 0 and self.l2 == 0:
+        params = self.penalised(model)
+        if not params:
             return None
-        params = penalised_parameters(model)
         total = torch.zeros((), device=params[0].device) if params else torch.zeros(())
         if self.l1:
             total = total + self.l1 * torch.stack([p.abs().sum() for p in params]).sum()

@@ -194,7 +194,7 @@ class StepGraphs:
             if optimizer_graph is None:
                 self._update(tasks)
                 self.stats.eager_steps += 1
-                if self._count(tasks) >= self.warmup_steps and tasks <= set(self.reach):
+                if self._count(tasks) >= self.warmup_steps:
                     ready.append(tasks)
             else:
                 optimizer_graph.replay()
@@ -252,10 +252,11 @@ class StepGraphs:
         return loss.detach().float(), t.loss_combiner.weighted({task: loss})[task]
 
     def _reached(self, tasks: frozenset) -> list[nn.Parameter]:
+        """The parameters a step of ``tasks`` updates: those its task losses reached in
+        their eager steps (every task body ran eagerly before its graph, and before the
+        update of the same step) and those the L1/L2 penalty reaches."""
         ids = set().union(*(self.reach[t] for t in tasks))
-        penalty = self.t.loss_combiner.penalty(self.t.model)
-        if penalty is not None:
-            ids |= reached_parameters(penalty)
+        ids |= set(map(id, self.t.loss_combiner.penalised(self.t.model)))
         return [p for p in self.params if id(p) in ids]
 
     def _write_lrs(self) -> None:
@@ -288,9 +289,7 @@ class StepGraphs:
     def _update(self, tasks: frozenset) -> None:
         """Penalty backward, clipping, AdamW, the teacher's EMA, zeroed gradients."""
         t = self.t
-        reached = self._reached(tasks) if tasks <= set(self.reach) else None
-        if reached is None:  # no eager step of these tasks yet: whatever has a gradient
-            reached = [p for p in self.params if p.grad is not None]
+        reached = self._reached(tasks)
         with self._only(reached):
             penalty = t.loss_combiner.penalty(t.model)
             if penalty is not None:
