@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtbert.config import TrainConfig
+from mtbert.config import TrainConfig, parse_set_args
 from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
 from mtbert.losses import task_loss
@@ -162,7 +162,7 @@ def bench_trainer(args, peak: float) -> list[dict]:
                   device=args.device, threads=threads, progress=False, eval_dev=False,
                   pad_lengths=args.pad_lengths, compile=args.compile, step_mode=args.step_mode,
                   eval_batch_size=args.eval_batch_size, max_eval_per_task=args.eval_rows,
-                  **settings_from(args.set))
+                  **parse_set_args(args.set))
     TrainConfig.from_dict(config)  # bad values fail here, before any process starts
     settings = {"config": config, "threads": threads, "warmup": args.warmup, "steps": args.steps}
     ctx = mp.get_context("spawn")
@@ -230,17 +230,6 @@ def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmu
     examples = sum(real_rows(b) for b in batches[warmup:])
     flops = sum(useful_flops(trainer.model.encoder, batch_lengths(b)) for b in batches[warmup:])
     return examples / seconds, flops / seconds
-
-
-def settings_from(pairs: list[str]) -> dict[str, str]:
-    """``--set key=value`` pairs as a dict (TrainConfig.from_dict coerces and checks them)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --set {pair!r}: expected KEY=VALUE")
-        out[key.strip()] = value.strip()
-    return out
 
 
 class _TaskModule(torch.nn.Module):
