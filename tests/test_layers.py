@@ -29,7 +29,7 @@ LAYERS = [
               "mtbert.model_files", "mtbert.trainer"]),
     ("tune: objective and trial", ["mtbert.tune", "mtbert.tune.records",
                                    "mtbert.tune.budgets", "mtbert.tune.trial_config",
-                                   "mtbert.tune.work_folders"]),
+                                   "mtbert.tune.work_folders", "mtbert.tune.extension"]),
     ("tune: choices", ["mtbert.tune.schedulers", "mtbert.tune.searchers",
                        "mtbert.tune.choices"]),
     ("tune: setup", ["mtbert.tune.spaces", "mtbert.tune.location", "mtbert.tune.cluster",

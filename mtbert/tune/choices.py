@@ -140,9 +140,13 @@ class SearcherChoice(Choice):
     flag, other_flag = "--search-alg", "--scheduler"
     #: the scheduler when ``--scheduler`` is left out (None: DEFAULT_SCHEDULER)
     default_scheduler: ClassVar[str | None] = None
+    #: can be told an earlier search's trials before it proposes (``--extend``)
+    learns_from_earlier: ClassVar[bool] = False
 
     def build(self, seed: int, max_concurrent: int, num_samples: int,
-              scheduler: SchedulerChoice, first_rung: int, told_metric: str):
+              scheduler: SchedulerChoice, first_rung: int, told_metric: str, earlier=()):
+        """Ray's searcher; ``earlier``: extension.EarlierPoint to tell it first (where it
+        :attr:`learns_from_earlier`)."""
         raise NotImplementedError
 
 
@@ -332,8 +336,10 @@ class ClipToSpace:
 # ---------------------------------------------------------------------- searchers
 class _Optuna(SearcherChoice):
     multivariate: ClassVar[bool] = False
+    learns_from_earlier = True
 
-    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric):
+    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
+              earlier=()):
         import optuna
         from ray.tune.search import ConcurrencyLimiter
 
@@ -346,11 +352,11 @@ class _Optuna(SearcherChoice):
         # ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup,
                                              multivariate=self.multivariate, group=False)
+        searcher = DistinctOptunaSearch(sampler=sampler, earlier=earlier)
         if scheduler.frees_paused_places:
-            return RunningTrialsLimiter(DistinctOptunaSearch(sampler=sampler), max_concurrent,
-                                        first_rung=first_rung, told_metric=told_metric)
-        return ConcurrencyLimiter(DistinctOptunaSearch(sampler=sampler),
-                                  max_concurrent=max_concurrent)
+            return RunningTrialsLimiter(searcher, max_concurrent, first_rung=first_rung,
+                                        told_metric=told_metric)
+        return ConcurrencyLimiter(searcher, max_concurrent=max_concurrent)
 
 
 @register
@@ -374,7 +380,8 @@ class Random(SearcherChoice):
     # search cannot: Ray's ASHA instead
     default_scheduler = "asha"
 
-    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric):
+    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
+              earlier=()):
         from ray.tune.search.basic_variant import BasicVariantGenerator
         return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
 
@@ -388,7 +395,8 @@ class Bohb(SearcherChoice):
     why_only = "TuneBOHB and HyperBandForBOHB only work as a pair"
     default_scheduler = "bohb"
 
-    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric):
+    def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
+              earlier=()):
         from ray.tune.search.bohb import TuneBOHB
         # its own limit counts running trials only: a trial HyperBand paused at a rung
         # frees its place (a ConcurrencyLimiter would count it and stall the bracket)

@@ -69,6 +69,18 @@ def scheduler_help() -> str:
             + f". Default {DEFAULT_SCHEDULER} ({paired})")
 
 
+#: ``--extend``'s help (extension.py)
+EXTEND_HELP = ("grow the finished search EXPERIMENT (in --storage-path): a new search "
+               "(--experiment) whose searcher is first told EXPERIMENT's trials, then "
+               "samples --num-samples more; nothing old is trained again, and old and "
+               "new trials are ranked and ensembled together (an old trial where its "
+               "weights were kept). Unless given, the space, budget, data, model, "
+               "searcher, scheduler, rung metric, seed, ensemble, --keep-checkpoints "
+               "and MLflow store are EXPERIMENT's; another --budget (or model or data) "
+               "tells its trials to the searcher as prior information only, never "
+               "ranked with the new ones")
+
+
 def build_parser() -> argparse.ArgumentParser:
     budgets = "; ".join(f"{b.name}: {b.description}" for b in BUDGETS.values())
     p = DriverArgumentParser(
@@ -144,11 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "HOST:PORT (its GCS, e.g. HEAD:6379) or ray://HOST:10001")
     p.add_argument("--resume", action="store_true",
                    help="continue --experiment after a crash (Tuner.restore)")
+    p.add_argument("--extend", metavar="EXPERIMENT", help=EXTEND_HELP)
     return p
+
+
+def given_flags(argv: list[str] | None) -> frozenset[str]:
+    """The options given on the command line (their ``dest``), told apart from defaults:
+    ``--extend`` takes the earlier search's value for those left out."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(probe.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help stays fast
+    args.given = given_flags(argv)
     from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
 
     quiet_environment()

@@ -20,6 +20,7 @@ from mtbert.data import load_data
 from mtbert.tune import finalists as fin
 from mtbert.tune import work_folders
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
+from mtbert.tune.extension import TRIALS_FILE, KnownTrial, trials_document
 from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
@@ -28,7 +29,7 @@ from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
-from mtbert.tune.tuner import InterruptWatch, build_tuner
+from mtbert.tune.tuner import InterruptWatch, build_tuner, told_points, told_summary
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
 from mtbert.tune.summary import NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary
 from mtbert.tune.tracking import SearchTracker
@@ -80,6 +81,7 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
             "ray_experiment": location.ray_experiment}
     if settings.mlflow_fallback:
         tags["mlflow_fallback_from"] = settings.mlflow_fallback
+    tags.update(extension_tags(settings))
     parent = tracker.start_parent(settings.experiment,
                                   parent_params(settings, max_concurrent), tags)
     tracker.log_artifact(parent, location.exp_dir / SETTINGS_FILE)
@@ -97,7 +99,23 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
           f"{settings.scheduler} on {rung_metric_label(settings.rung_metric)}, searcher "
           f"{settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
+    if settings.extends is not None:
+        print(f"[tune] {told_summary(settings)}", flush=True)
     return tracker, parent
+
+
+def extension_tags(settings: SearchSettings) -> dict[str, str]:
+    """The parent run's link to the search it extends (``--extend``): its experiment and
+    parent run, and a note MLflow shows on the run's page."""
+    earlier = settings.extends
+    if earlier is None:
+        return {}
+    how = (f"{len(earlier.joint)} of its trials are ranked with this search's"
+           + (f"; {len(earlier.prior)} told to the searcher as prior only "
+              f"({', '.join(earlier.prior_reason)})" if earlier.prior else ""))
+    return {"extends": earlier.experiment, "extends_run_id": earlier.parent_run_id or "",
+            "mlflow.note.content": f"Extends search {earlier.experiment} (parent run "
+                                   f"{earlier.parent_run_id}): {how}."}
 
 
 def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
@@ -113,7 +131,7 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
               "ensemble_top_k": s.top_k, "max_failures": s.max_failures,
               "gpus_rule": s.resources.rule if s.resources else "",
               "address": s.address or "local", "objective": OBJECTIVE,
-              "storage": s.location.ray_storage}
+              "storage": s.location.ray_storage, "extends": s.extend or ""}
     params.update({f"budget.{k}": v for k, v in budget.to_dict().items() if k != "name"})
     params.update({f"space.{key}": p.describe() for key, p in s.space.params.items()})
     return params
@@ -153,8 +171,9 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     records = collect_trials(grid, budget.max_examples, budget.rungs(),
                              ended=set(tracker.ended_trials()))
     close_unended_runs(tracker, records)
-    ranking = ranked(records)
-    finalists = ranking[:settings.top_k]
+    inherited = settings.extends.joint_records() if settings.extends else []
+    ranking = ranked(records + inherited)
+    finalists, left_out = fin.ensemble_candidates(ranking, settings.top_k)
     stored = location.stage_best_checkpoints(records, {r.trial_id for r in finalists})
     preds = fin.predict_finalists(finalists, data, _finalist_device(settings))
     ensemble = None
@@ -162,15 +181,16 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         ensemble = fin.build_ensemble([r.trial_id for r in finalists], preds, data,
                                       settings.ensemble)
         fin.write_ensemble_predictions(exp_dir / "ensemble" / "predictions", data, ensemble)
+    if ranking and ranking[0].trial_id in preds:
         fin.write_member_predictions(exp_dir / "best_trial" / "predictions", data,
-                                     preds[finalists[0].trial_id])
+                                     preds[ranking[0].trial_id])
     dev_of = fin.dev_metrics(preds, data)
-    report = write_report(records, settings.space.optuna_distributions(), exp_dir,
+    report = write_report(records + inherited, settings.space.optuna_distributions(), exp_dir,
                           rungs=budget.rungs())
     refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
                       runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
-                            interrupted, ended_sampling)
+                            interrupted, ended_sampling, left_out, len(told_points(settings)))
 
     log_trial_results(tracker, records, settings.base, data, preds, dev_of)
     if ensemble is not None:
@@ -185,7 +205,10 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         summary.mlflow, ensemble_run_id=tracker.state.get("ensemble_run_id")))
     if location.exp_uri:  # name where the files live for users: the URI, not the staging copy
         summary = summary.with_public_paths(location.public, stored)
-    for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown())):
+    trials = known_trials(settings, records, summary, complete)
+    for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown()),
+                       (TRIALS_FILE, trials_document(settings.experiment, parent_run,
+                                                     settings.mlflow_uri, complete, trials))):
         atomic_write_text(exp_dir / name, text)
         tracker.log_artifact(parent_run, exp_dir / name)
     location.upload(skip=(STAGED_CHECKPOINTS,))
@@ -193,6 +216,21 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     tracker.finish(parent_run, "KILLED" if summary.interrupted
                    else "FINISHED" if finalists else "FAILED")
     return print_outcome(settings, summary)
+
+
+def known_trials(settings: SearchSettings, records, summary: SearchSummary,
+                 complete: bool) -> list[KnownTrial]:
+    """What ``trials.json`` keeps for a later ``--extend``: this search's trials and those
+    it inherited, each with where its weights now are -- the exported model
+    (``--keep-checkpoints best``), its best checkpoint while training states are kept
+    (``all``, or a search that did not finish), else none."""
+    states_kept = settings.keep_checkpoints == "all" or not complete
+    own = [KnownTrial(r, settings.experiment, settings.measured_on(),
+                      summary.models.get(r.trial_id)
+                      or (r.best_checkpoint if states_kept else None)) for r in records]
+    earlier = settings.extends.known if settings.extends else []
+    return own + [dataclasses.replace(t, weights=summary.models.get(t.record.trial_id)
+                                      or t.weights) for t in earlier]
 
 
 def _finalist_device(settings: SearchSettings) -> str:

@@ -126,6 +126,25 @@ def write_member_predictions(folder: Path, data, preds: dict[str, dict[str, np.n
     return folder
 
 
+def ensemble_candidates(ranking, top_k: int) -> tuple[list, dict[str, str]]:
+    """(The ``top_k`` best trials whose weights are at hand, ``{trial_id: why left out}``
+    for better-ranked trials skipped: an earlier search's trial (``--extend``) whose
+    weights its ``--keep-checkpoints`` removed, or whose folder is gone since)."""
+    candidates, left_out = [], {}
+    for r in ranking:
+        if len(candidates) == top_k:
+            break
+        # this search's checkpoints may be on a URI storage (staged later); an earlier
+        # search's weights are a local folder (settings: --extend needs local storage)
+        if r.best_checkpoint and (not r.origin or Path(r.best_checkpoint).is_dir()):
+            candidates.append(r)
+        else:
+            left_out[r.trial_id] = (
+                f"trained in {r.origin or 'this search'}; its weights were not kept there"
+                if not r.best_checkpoint else f"its weights folder {r.best_checkpoint} is gone")
+    return candidates, left_out
+
+
 def predict_finalists(finalists, data, device: str = "cpu") -> dict[str, dict[str, dict[str, np.ndarray]]]:
     """``{trial_id: {split: {task: raw prediction}}}`` of each finalist's best checkpoint."""
     preds = {}

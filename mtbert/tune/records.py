@@ -131,6 +131,7 @@ class TrialRecord:
     rung_reached: int = 0
     error: str = ""
     mlflow_run_id: str | None = None
+    origin: str = ""                 # the search it trained in, if an earlier one (--extend)
 
     @property
     def best_score(self) -> float:
@@ -240,6 +241,7 @@ def _checkpoints(result) -> list[tuple[str, dict]]:
 
 
 def ranked(records: list[TrialRecord]) -> list[TrialRecord]:
-    """Trials with a usable best checkpoint, best validation score first."""
-    ok = [r for r in records if r.best_checkpoint and math.isfinite(r.best_score)]
+    """Trials with a usable best checkpoint (or, for an earlier search's trial, a best
+    score whose weights may be gone), best validation score first."""
+    ok = [r for r in records if (r.best_checkpoint or r.origin) and math.isfinite(r.best_score)]
     return sorted(ok, key=lambda r: (-r.best_score, r.trial_id))

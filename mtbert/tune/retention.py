@@ -87,7 +87,8 @@ def keep_what_was_asked(settings, summary, best_checkpoints: dict[str, str]):
     if keep == "best" and summary.best_trial is not None:
         ids = dict.fromkeys([summary.best_trial.trial_id,
                              *(summary.ensemble.members if summary.ensemble else [])])
-        exported = export_models({i: best_checkpoints[i] for i in ids},
+        # an earlier search's best trial (--extend) may have no weights left to keep
+        exported = export_models({i: best_checkpoints[i] for i in ids if i in best_checkpoints},
                                  location.exp_dir / MODELS_DIR)
         models = {i: str(path) for i, path in exported.items()}
     files, size = remove_training_states(location)

@@ -26,11 +26,38 @@ MAX_ASKS = 20
 
 
 class DistinctOptunaSearch(OptunaSearch):
-    """``--search-alg optuna`` / ``optuna-mv``: OptunaSearch minus the repeats.
+    """``--search-alg optuna`` / ``optuna-mv``: OptunaSearch minus the repeats, told the
+    trials of an earlier search first (``earlier``: extension.EarlierPoint, ``--extend``).
 
-    ``repeats_told`` counts the proposals answered from an earlier trial."""
+    ``repeats_told`` counts the proposals answered from an earlier trial.  An earlier
+    trial told as prior only (another budget) answers no repeat: its configuration is
+    trained again on this search's budget."""
 
     repeats_told = 0
+
+    def __init__(self, *args, earlier=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.earlier = list(earlier)
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        done = super().set_search_properties(metric, mode, config, **spec)
+        if done:  # the study exists now (a restored searcher brings its own: False)
+            for point in self.earlier:
+                self._tell_earlier(point)
+        return done
+
+    def _tell_earlier(self, point) -> None:
+        """One earlier trial as an Optuna trial of this study (completed, pruned with its
+        evaluations as intermediate values, or failed)."""
+        import optuna
+
+        state = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED,
+                 "fail": TrialState.FAIL}[point.state]
+        self._ot_study.add_trial(optuna.trial.create_trial(
+            state=state, value=None if state == TrialState.FAIL else point.value,
+            params=point.params, distributions=self._space,
+            intermediate_values=dict(enumerate(point.intermediate)) or None,
+            user_attrs={"earlier_trial": point.trial_id, "prior": point.prior}))
 
     def suggest(self, trial_id: str):
         for _ in range(MAX_ASKS - 1):
@@ -47,7 +74,7 @@ class DistinctOptunaSearch(OptunaSearch):
 
     def _scored_twin(self, params: dict) -> FrozenTrial | None:
         for trial in self._ot_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if trial.params == params:
+            if trial.params == params and not trial.user_attrs.get("prior"):
                 return trial
         return None
 

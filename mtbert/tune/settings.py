@@ -29,6 +29,8 @@ from mtbert.pretrained import check_model
 from mtbert.tune import location as loc
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan, check_ray_address
+from mtbert.tune.extension import (TRIALS_FILE, EarlierSearch, earlier_search, measured_on,
+                                   parse_trials)
 from mtbert.tune.choices import (check_optional_packages, check_per_rung, default_rung_metric,
                                  resolve_scheduler, resolve_search_alg, scheduler_choice)
 from mtbert.tune.records import rung_metric_keys
@@ -39,6 +41,11 @@ SETTINGS_FILE = "mtbert_search.json"
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 #: CLI values a resumed search takes from the new command line, not from its saved settings
 _RESUME_OWN = ("resume", "address", "mlflow_fallback_local")
+#: CLI values a search started with ``--extend`` takes from the earlier search unless given
+#: (the space is checked equal when given; another budget, model or data makes the earlier
+#: trials prior information only: extension.py)
+EXTEND_INHERITS = ("space", "budget", "data_dir", "model", "search_alg", "scheduler",
+                   "rung_metric", "seed", "ensemble", "keep_checkpoints", "mlflow_uri")
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,9 @@ class SearchSettings:
     address: str | None
     mlflow_fallback_local: bool
     resources: ResourcePlan | None = None   # set once Ray is up
+    extend: str | None = None        # --extend: the earlier search's experiment name
+    extend_trials: dict[str, Any] | None = None   # its parsed trials.json
+    extends: EarlierSearch | None = None  # its trials, classified (resolved_for)
 
     @property
     def experiment(self) -> str:
@@ -77,8 +87,16 @@ class SearchSettings:
     def resolved_for(self, total_train_rows: int) -> "SearchSettings":
         """The settings with the budget's ``max_examples`` fixed by the loaded data."""
         budget = self.budget.resolved(total_train_rows)
-        return dataclasses.replace(self, budget=budget,
-                                   base={**self.base, **run_fields(budget, self.scheduler)})
+        base = {**self.base, **run_fields(budget, self.scheduler)}
+        extends = None
+        if self.extend_trials is not None:  # ranked together only where measured alike
+            extends = earlier_search(self.extend_trials, measured_on(budget, base),
+                                     list(self.space.searched))
+        return dataclasses.replace(self, budget=budget, base=base, extends=extends)
+
+    def measured_on(self) -> dict[str, Any]:
+        """What this search's trial scores are measured on (extension.measured_on)."""
+        return measured_on(self.budget, self.base)
 
     def with_resources(self, plan: ResourcePlan) -> "SearchSettings":
         """The settings with each trial's resources fixed for the connected cluster."""
@@ -102,7 +120,7 @@ class SearchSettings:
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
                 "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
-                "resume": self.resume}
+                "resume": self.resume, "extend": self.extend}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
@@ -126,8 +144,14 @@ def run_fields(budget: Budget, scheduler: str) -> dict[str, Any]:
 def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     """Check every CLI value and the space; raises ConfigError; writes nothing."""
     args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
+    if args.resume and getattr(args, "extend", None):
+        raise ConfigError("--extend starts a new search and --resume continues one: give "
+                          "one of them (a search started with --extend resumes with "
+                          "--resume --experiment NAME)")
     storage, storage_uri = _storage(args.storage_path)
     saved = _merge_saved_settings(args, storage, storage_uri) if args.resume else None
+    extended = _earlier_settings(args, storage, storage_uri) if getattr(args, "extend", None) \
+        else None
     if storage_uri and not args.mlflow_uri:
         raise ConfigError(f"--storage-path {args.storage_path}: a URI storage needs "
                           "--mlflow-uri (an MLflow server http://HOST:5000, or "
@@ -135,7 +159,8 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
                           "storage folder")
     if args.space is None:
         raise ConfigError("--space is required (see --list-spaces)")
-    space = parse_space(saved["space"], saved["space_path"]) if saved else load_space(args.space)
+    space = (parse_space(saved["space"], saved["space_path"]) if saved
+             else extended[2] if extended else load_space(args.space))
     budget = get_budget(args.budget)
     args.scheduler = resolve_scheduler(args.scheduler, args.search_alg)
     search_alg = resolve_search_alg(args.scheduler, args.search_alg)
@@ -148,8 +173,11 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     top_k = args.ensemble_top_k if args.ensemble_top_k is not None else budget.ensemble_top_k
     if top_k < 1:
         raise ConfigError(f"--ensemble-top-k {top_k}: must be >= 1")
-    if args.ensemble_top_k is not None and top_k > num_samples:
-        raise ConfigError(f"--ensemble-top-k {top_k}: more than --num-samples {num_samples}")
+    # an extension's candidates are the earlier trials too
+    pool = num_samples + (len(extended[1]["trials"]) if extended else 0)
+    if args.ensemble_top_k is not None and top_k > pool:
+        raise ConfigError(f"--ensemble-top-k {top_k}: more than --num-samples {num_samples}"
+                          + (" and the earlier search's trials" if extended else ""))
     experiment = args.experiment or f"{space.name}-{budget.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not _EXPERIMENT_RE.match(experiment):
         raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '.', '_' and '-' "
@@ -171,7 +199,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         _check_compile_modes(space, args.gpus_per_trial)
     return SearchSettings(
         space=space, space_arg=args.space, budget=budget, num_samples=num_samples,
-        top_k=min(top_k, num_samples), location=location, storage_arg=args.storage_path,
+        top_k=min(top_k, pool), location=location, storage_arg=args.storage_path,
         mlflow_uri=mlflow_uri, mlflow_fallback=mlflow_fallback, base=base,
         resume=bool(args.resume), search_alg=search_alg, scheduler=args.scheduler,
         rung_metric=rung_metric, seed=args.seed,
@@ -179,7 +207,8 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
-        mlflow_fallback_local=bool(args.mlflow_fallback_local))
+        mlflow_fallback_local=bool(args.mlflow_fallback_local),
+        extend=getattr(args, "extend", None), extend_trials=extended[1] if extended else None)
 
 
 def _storage(storage_path: str) -> tuple[Path, str | None]:
@@ -210,7 +239,7 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
     if text is None:
         raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
                           f"(no {SETTINGS_FILE})")
-    saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}")
+    saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}", "--resume")
     if where.read(loc.PRUNED_FILE) is not None:
         raise ConfigError(f"--resume: {where.ray_experiment} finished and its training states "
                           f"were removed (--keep-checkpoints {saved['args'].get('keep_checkpoints')}"
@@ -225,20 +254,68 @@ def _merge_saved_settings(args: argparse.Namespace, storage: Path,
     return saved
 
 
-def _parse_saved_settings(text: str, name: str) -> dict[str, Any]:
-    """A search's saved settings, checked: what ``--resume`` needs of them is there."""
+def _parse_saved_settings(text: str, name: str, flag: str) -> dict[str, Any]:
+    """A search's saved settings, checked: what ``--resume`` / ``--extend`` (``flag``)
+    need of them is there."""
     try:
         saved = json.loads(text)
     except ValueError as exc:
-        raise ConfigError(f"--resume: {name} is not valid JSON ({exc}); it is written when "
+        raise ConfigError(f"{flag}: {name} is not valid JSON ({exc}); it is written when "
                           "a search starts: restore it, or start a new search") from None
     needed = {"args": dict, "space": dict, "space_path": str}
     for key, kind in needed.items():
         if not isinstance(saved, dict) or not isinstance(saved.get(key), kind):
-            raise ConfigError(f"--resume: {name} has no {key!r} ({kind.__name__}); it is "
+            raise ConfigError(f"{flag}: {name} has no {key!r} ({kind.__name__}); it is "
                               "written when a search starts: restore it, or start a new "
                               "search")
     return saved
+
+
+def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str | None,
+                      ) -> tuple[dict[str, Any], dict[str, Any], SearchSpace]:
+    """``--extend NAME``: (its saved settings, its parsed trials.json, its space), the
+    values of :data:`EXTEND_INHERITS` not given on the command line (``args.given``, set
+    by the CLI) taken from it.  ConfigError for a search that is not there, not finished,
+    damaged, or of another space."""
+    name = args.extend
+    if storage_uri:
+        raise ConfigError(f"--extend {name}: extending works in a local --storage-path "
+                          f"folder (the earlier search's weights are read from it), not "
+                          f"{storage_uri}")
+    where = loc.ExperimentLocation(storage, name)
+    text = where.read(SETTINGS_FILE)
+    if text is None:
+        raise ConfigError(f"--extend {name}: no search in {where.exp_dir} (no {SETTINGS_FILE}); "
+                          f"give the --experiment name of a finished search in --storage-path "
+                          f"{args.storage_path}")
+    saved = _parse_saved_settings(text, f"{where.exp_dir}/{SETTINGS_FILE}", f"--extend {name}")
+    trials_text = where.read(TRIALS_FILE)
+    if trials_text is None:
+        raise ConfigError(f"--extend {name}: {where.exp_dir} has no {TRIALS_FILE}, written when "
+                          "a search finishes: finish it first (--resume --experiment "
+                          f"{name}), then extend it")
+    trials = parse_trials(trials_text, f"{where.exp_dir}/{TRIALS_FILE}")
+    if not trials.get("complete", False):
+        raise ConfigError(f"--extend {name}: the search did not finish (interrupted, or trials "
+                          f"never started): finish it with --resume --experiment {name}, "
+                          "then extend it")
+    space = parse_space(saved["space"], saved["space_path"])
+    if args.resume:  # the extension's own saved settings were merged: they stand
+        return saved, trials, space
+    given = getattr(args, "given", frozenset())
+    if "space" in given and args.space is not None:
+        asked = load_space(args.space)
+        if asked.to_dict() != space.to_dict():
+            keys = sorted(set(asked.params) ^ set(space.params)
+                          | {k for k in set(asked.params) & set(space.params)
+                             if asked.to_dict()["params"][k] != space.to_dict()["params"][k]})
+            raise ConfigError(f"--extend {name}: it searched space {space.name!r}, not "
+                              f"--space {args.space} ({asked.name!r}); they differ in "
+                              f"{', '.join(keys) or 'their description'}")
+    for key in EXTEND_INHERITS:
+        if key not in given and key in saved["args"]:
+            setattr(args, key, saved["args"][key])
+    return saved, trials, space
 
 
 def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:

@@ -77,6 +77,7 @@ class TrialRow:
     best_val_overall: float | None
     searched: dict[str, Any]
     evaluations: int
+    origin: str = ""                 # the earlier search it trained in (--extend), or ""
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,19 @@ class RankedTrial:
     dev: dict[str, float]
     searched: dict[str, Any]
     mlflow_run_id: str | None
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class ExtensionSummary:
+    """What a search started with ``--extend`` continued from (extension.py)."""
+    experiment: str
+    parent_run_id: str | None
+    joint_trials: int                # ranked and ensembled with this search's trials
+    prior_trials: int                # told to the searcher as prior only
+    prior_reason: list[str]          # what they were measured on differently
+    told: int                        # earlier trials the searcher was told
+    left_out: dict[str, str]         # better-ranked trials not ensembled, and why
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,9 @@ class BestTrial:
     examples_seen_at_best: float | None
     checkpoint: str | None
     mlflow_run_id: str | None
-    predictions: str
+    predictions: str | None
     model: str | None = None         # its exported weights (--keep-checkpoints best)
+    origin: str = ""                 # the earlier search it trained in (--extend), or ""
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,7 @@ class SearchSummary:
     mlflow: MlflowRefs
     keep_checkpoints: str = "all"
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # trial id -> folder
+    extends: ExtensionSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,13 +206,26 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith(prefix)}
 
 
+def extension_summary(settings, left_out: dict[str, str], told: int) -> ExtensionSummary | None:
+    """What the search continued from (``--extend``), or None."""
+    e = settings.extends
+    if e is None:
+        return None
+    return ExtensionSummary(e.experiment, e.parent_run_id, len(e.joint), len(e.prior),
+                            e.prior_reason, told, dict(left_out))
+
+
 def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord],
                   dev_of: dict[str, dict[str, float]], ensemble, report: dict[str, Any],
                   mlflow: MlflowRefs, interrupted: bool,
-                  ended_sampling: bool = False) -> SearchSummary:
+                  ended_sampling: bool = False, left_out: dict[str, str] | None = None,
+                  told: int = 0) -> SearchSummary:
     """The summary of a finished (or interrupted) search; ``ensemble`` is an
     :class:`~mtbert.tune.finalists.EnsembleResult` or None; ``report`` is what
-    :func:`~mtbert.tune.report.write_report` returned."""
+    :func:`~mtbert.tune.report.write_report` returned.  ``records`` are this search's
+    trials; ``ranked`` may hold an earlier search's too (``--extend``), and
+    ``left_out`` the better-ranked ones the ensemble could not take; ``told``: how many
+    earlier trials the searcher was told."""
     exp_dir = settings.location.exp_dir
     searched_keys = list(settings.space.searched)
     counts = count_trials(records, settings.num_samples, ended_sampling)
@@ -205,7 +234,7 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         return {k: r.config[k] for k in searched_keys if k in r.config}
 
     top = [RankedTrial(r.trial_id, r.status, r.examples_seen, _prefixed(r.best, "val/"),
-                       dev_of.get(r.trial_id, {}), searched(r), r.mlflow_run_id)
+                       dev_of.get(r.trial_id, {}), searched(r), r.mlflow_run_id, r.origin)
            for r in ranked[:max(settings.top_k, 5)]]
     best = ranked[0] if ranked else None
     best_trial = None if best is None else BestTrial(
@@ -214,7 +243,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         val=_prefixed(best.best, "val/"), dev=dev_of.get(best.trial_id, {}),
         examples_seen_at_best=best.best.get("examples_seen"),
         checkpoint=best.best_checkpoint, mlflow_run_id=best.mlflow_run_id,
-        predictions=str(exp_dir / "best_trial" / "predictions"))
+        predictions=(str(exp_dir / "best_trial" / "predictions")
+                     if best.trial_id in dev_of else None), origin=best.origin)
     ensemble_summary = None
     if ensemble is not None:
         metrics = scalar_metrics(ensemble.metrics, finite=True)
@@ -223,10 +253,13 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
             weights=ensemble.weights_by_member(), val=_prefixed(metrics, "val/"),
             dev=_prefixed(metrics, "dev/"),
             predictions=str(exp_dir / "ensemble" / "predictions"))
+    own = {r.trial_id for r in records}
+    inherited = settings.extends.joint_records() if settings.extends else []
     trials = [TrialRow(r.trial_id, r.name, r.status, r.config, r.best, r.best_checkpoint,
                        r.examples_seen, r.rung_reached, r.error, r.mlflow_run_id,
                        r.best_score if math.isfinite(r.best_score) else None, searched(r),
-                       len(r.history)) for r in records]
+                       len(r.history), r.origin)
+              for r in records + [r for r in inherited if r.trial_id not in own]]
     space = settings.space
     return SearchSummary(
         experiment=settings.experiment, experiment_dir=str(exp_dir),
@@ -238,7 +271,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         objective=OBJECTIVE, mode=MODE, counts=counts,
         interrupted=interrupted or counts.interrupted > 0, best_trial=best_trial,
         ensemble=ensemble_summary, top_trials=top, trials=trials,
-        importances=report["importances"], report_files=report["files"], mlflow=mlflow)
+        importances=report["importances"], report_files=report["files"], mlflow=mlflow,
+        extends=extension_summary(settings, left_out or {}, told))
 
 
 # ---------------------------------------------------------------------- renderings
@@ -276,19 +310,20 @@ def _markdown(s: SearchSummary) -> str:
     if c.not_needed:
         lines += [f"{c.not_needed} of the trials asked for were not sampled: "
                   f"{NOT_NEEDED_REASON}.", ""]
+    lines += _extension_lines(s.extends, c.trials)
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, t in enumerate(s.top_trials, 1):
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in t.searched.items())
         overall, sst, qqp, sts = _scores(t.val)
-        lines.append(f"| {i} | {t.trial_id} | {t.status} | {t.examples_seen} | "
+        lines.append(f"| {i} | {_marked(t.trial_id, t.origin)} | {t.status} | {t.examples_seen} | "
                      f"{_with_se(t.val, 'val/overall')} | "
                      f"{sst:.3f} | {qqp:.3f} | {sts:.3f} | {params} |")
     ens, best = s.ensemble, s.best_trial
     if best:
         lines += ["", "## Best trial vs ensemble", "", "| | val overall ± se | dev overall ± se | "
                   "dev sst | dev qqp | dev sts r |", "| --- | --- | --- | --- | --- | --- |"]
-        rows = [(f"best trial {best.trial_id}", best.val, best.dev)]
+        rows = [(f"best trial {_marked(best.trial_id, best.origin)}", best.val, best.dev)]
         if ens:
             rows.append((f"ensemble ({ens.method}, {counted(len(ens.members), 'member')})",
                          ens.val, ens.dev))
@@ -322,6 +357,28 @@ def _markdown(s: SearchSummary) -> str:
     return "\n".join(lines)
 
 
+def _marked(trial_id: str, origin: str) -> str:
+    """A trial id, marked ``*`` where it trained in an earlier search (``--extend``)."""
+    return f"{trial_id}*" if origin else trial_id
+
+
+def _extension_lines(e: ExtensionSummary | None, new_trials: int) -> list[str]:
+    """summary.md's paragraph on the search it extends."""
+    if e is None:
+        return []
+    prior = (f"; {counted(e.prior_trials, 'trial')} measured on another "
+             f"{', '.join(e.prior_reason)} went to the searcher as prior information only "
+             "and are not ranked here" if e.prior_trials else "")
+    lines = [f"Extends search `{e.experiment}` (MLflow parent run `{e.parent_run_id}`): its "
+             f"{counted(e.joint_trials, 'trial')} are ranked and ensembled with this search's "
+             f"{new_trials} (marked `*`; none was trained again); the searcher was told "
+             f"{counted(e.told, 'earlier trial')} before it proposed{prior}.", ""]
+    if e.left_out:
+        lines += ["Not in the ensemble though ranked above its last candidate: "
+                  + "; ".join(f"{tid} ({why})" for tid, why in e.left_out.items()) + ".", ""]
+    return lines
+
+
 def _console_table(s: SearchSummary) -> str:
     head = f"{'rank':>4}  {'trial':<14} {'status':<13} {'examples':>8}  {'val':>7} {'sst':>6} " \
            f"{'qqp':>6} {'sts':>6}  {'dev':>7}  params"
@@ -330,7 +387,8 @@ def _console_table(s: SearchSummary) -> str:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in t.searched.items())
         dev = f"{t.dev['dev/overall']:.4f}" if "dev/overall" in t.dev else "      -"
         overall, sst, qqp, sts = _scores(t.val)
-        lines.append(f"{i:>4}  {t.trial_id:<14} {t.status:<13} {t.examples_seen:>8}  "
+        lines.append(f"{i:>4}  {_marked(t.trial_id, t.origin):<14} {t.status:<13} "
+                     f"{t.examples_seen:>8}  "
                      f"{overall:.4f} {sst:6.3f} {qqp:6.3f} {sts:6.3f}  {dev:>7}  {params}")
     ens = s.ensemble
     if ens:
@@ -346,4 +404,11 @@ def _console_table(s: SearchSummary) -> str:
         tail += f", {c.not_needed} not needed"
     lines.append(f"trials: {c.trials} ({c.completed} completed, {c.stopped_early} "
                  f"stopped early by ASHA, {c.errored} errored{tail})")
+    origins = sorted({t.origin for t in s.top_trials if t.origin})
+    if origins:
+        lines.append(f"* trained in an earlier search ({', '.join(origins)}), extended "
+                     "with --extend: not trained again")
+    elif s.extends and s.extends.prior_trials:
+        lines.append(f"--extend {s.extends.experiment}: {s.extends.prior_trials} earlier "
+                     "trials told to the searcher as prior only, not ranked here")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
 from mtbert.tune.choices import SCHEDULERS, scheduler_choice, searcher_choice
+from mtbert.tune.extension import searcher_points, told_line
 from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
 
 
@@ -27,13 +28,37 @@ def trial_name(trial) -> str:
 
 def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
                    scheduler: str = "asha", first_rung: int = 0,
-                   rung_metric: str | Sequence[str] = OBJECTIVE):
+                   rung_metric: str | Sequence[str] = OBJECTIVE, earlier=()):
     """The ``--search-alg``; under a scheduler that frees paused trials' places
     (``asha-promote``; Optuna only) behind a RunningTrialsLimiter told each trial's
-    ``rung_metric`` (the first rung's, where one per rung) at ``first_rung`` examples."""
+    ``rung_metric`` (the first rung's, where one per rung) at ``first_rung`` examples.
+    ``earlier``: extension.EarlierPoint it is told first (``--extend``: :func:`told_points`)."""
     return searcher_choice(name).build(seed, max_concurrent, num_samples,
                                        scheduler_choice(scheduler), first_rung,
-                                       _per_rung(rung_metric)[0])
+                                       _per_rung(rung_metric)[0], earlier=list(earlier))
+
+
+def told_points(settings) -> list:
+    """What the searcher of a search started with ``--extend`` is told of the earlier
+    trials: as it will be told its own (extension.searcher_points); none where the
+    searcher cannot be told (random, BOHB)."""
+    if settings.extends is None or not searcher_choice(settings.search_alg).learns_from_earlier:
+        return []
+    return searcher_points(settings.extends, list(settings.space.searched),
+                           *_how_told(settings))
+
+
+def told_summary(settings) -> str:
+    """The driver's line on what the searcher of an ``--extend`` search was told."""
+    return told_line(told_points(settings), settings.extends, settings.search_alg,
+                     *_how_told(settings))
+
+
+def _how_told(settings) -> tuple[bool, int, str]:
+    """(told at the first rung, the first rung in examples, the metric told): as the
+    searcher is told each trial of its own search."""
+    return (scheduler_choice(settings.scheduler).frees_paused_places,
+            settings.budget.grace_period, rung_metric_keys(settings.rung_metric)[0])
 
 
 def build_scheduler(name: str, budget: Budget, space=None,
@@ -103,7 +128,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
         search_alg=build_searcher(
             settings.search_alg, settings.seed, 0 if population else max_concurrent,
             settings.num_samples, settings.scheduler, settings.budget.grace_period,
-            rung_metric_keys(settings.rung_metric)),
+            rung_metric_keys(settings.rung_metric), told_points(settings)),
         scheduler=scheduler, reuse_actors=reuses_actors(settings.scheduler, settings.address),
         # PBT / PB2 keep every checkpoint while they run: a trial restores another's
         # latest checkpoint some time after PBT chose it, and by then a top-2 rule can
