@@ -307,7 +307,7 @@ def test_a_ray_worker_needs_no_command_line_module(graph):
 
 
 def test_no_function_is_longer_than_80_lines():
-    """What a reader takes in at once (issue 34's acceptance): decorators and docstrings
+    """What a reader takes in at once (the layering's acceptance): decorators and docstrings
     included."""
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
