@@ -1,6 +1,8 @@
 """One (method, seed) run of bench/search_efficiency.py on Ray, from the driver's own
 builders (``mtbert.tune.tuner``: searcher, scheduler, actor reuse; the driver's trainable),
-and every run asked for, each kept in ``OUT/runs.json`` as it finishes.
+and every run asked for, each kept in ``OUT/runs.json`` as it finishes.  A run's searcher
+can be told an earlier search's trials first (``earlier``, as ``--extend`` tells the
+driver's: bench/search_extension.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import platform
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from mtbert.tune.choices import SCHEDULERS
@@ -18,8 +21,9 @@ from search_methods import (DROPOUTS, LAMBDAS, METHODS, SAME, SOFT, SPACES, benc
                             bench_budget)
 
 
-def search_setup(name: str, args, seed: int):
-    """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders."""
+def search_setup(name: str, args, seed: int, earlier=()):
+    """(param_space, TuneConfig kwargs, budget) of one method, from the driver's builders;
+    ``earlier``: extension.EarlierPoint its searcher is told first (``--extend``)."""
     from ray import tune
 
     from mtbert.tune.spaces import parse_space
@@ -39,7 +43,7 @@ def search_setup(name: str, args, seed: int):
     # bound how many train at once), as the driver does
     searcher = build_searcher(method.searcher, seed, 0 if population else args.workers, n,
                               method.scheduler, budget.grace_period,
-                              rung_metric_keys(method.rung_metric))
+                              rung_metric_keys(method.rung_metric), earlier=earlier)
     return space.param_space(), dict(
         num_samples=n, scheduler=build_scheduler(method.scheduler, budget, space,
                                                  rung_metric_keys(method.rung_metric),
@@ -50,14 +54,20 @@ def search_setup(name: str, args, seed: int):
         search_alg=searcher), budget
 
 
-def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> dict:
+def run_method(name: str, seed: int, data, base: dict, args, storage: Path, earlier=(),
+               experiment: str | None = None, records: bool = False) -> dict:
+    """One search, in Ray's experiment ``experiment`` (default ``NAME-seedSEED``) under
+    ``storage``; ``earlier``: as for :func:`search_setup`; ``records``: the run also holds
+    its trials as the driver records them (``"records"``: records.TrialRecord, taken
+    before its folders are removed), for a later search to be told."""
     from ray import tune
 
     from mtbert.tune import work_folders
+    from mtbert.tune.records import collect_trials
     from mtbert.tune.settings import run_fields
     from mtbert.tune.trainable import train_trial
     from mtbert.tune.tuner import make_tuner, reuses_actors
-    space, tune_kwargs, budget = search_setup(name, args, seed)
+    space, tune_kwargs, budget = search_setup(name, args, seed, earlier)
     trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
                   "eval_at_start": False}
     # PBT restores a trial from another's checkpoint some time after choosing it: all kept
@@ -65,7 +75,8 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
     trainable = tune.with_resources(
         tune.with_parameters(train_trial, data=data, base=trial_base),
         {"cpu": 1, "gpu": args.gpus_per_trial})
-    tuner = make_tuner(trainable, space, name=f"{name}-seed{seed}", storage_path=str(storage),
+    tuner = make_tuner(trainable, space, name=experiment or f"{name}-seed{seed}",
+                       storage_path=str(storage),
                        # the driver's choice (Ray's default is no reuse)
                        reuse_actors=reuses_actors(METHODS[name].scheduler, None),
                        num_to_keep=keep, verbose=1, **tune_kwargs)
@@ -99,6 +110,8 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path) -> d
         run["selected"] = {"trial": best[0]["trial"], "config": best[0]["config"],
                            "val": best[0]["best_val"], "val_se": best[0]["best_val_se"],
                            **dev_score(best[1], data, base["device"])}
+    if records:
+        run["records"] = collect_trials(grid, budget.max_examples, budget.rungs())
     return run
 
 
@@ -111,8 +124,11 @@ def dev_score(checkpoint_dir: str, data, device: str = "cpu") -> dict:
     return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
 
 
-def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
-    """Run every (seed, method) asked for; each finished run is added to runs.json."""
+@contextmanager
+def bench_ray(args, out: Path):
+    """A sitting of runs: (data, base, storage, machine) with Ray started for them --
+    the bench's data slices loaded once, the TrainConfig fields every trial shares, where
+    Ray's trial folders go, the machine kept with each run."""
     import ray
 
     from mtbert.config import TrainConfig
@@ -129,28 +145,43 @@ def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
     cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers,
                             **({} if args.gpus_per_trial else {"num_gpus": 0}))
     try:
+        yield data, base, storage, machine
+    finally:
+        ray.shutdown()
+
+
+def settle_run(run: dict, args, storage: Path, experiment: str, label: str) -> None:
+    """Say how a finished run went; remove its Ray trial folders unless a trial failed
+    (their error files) or ``--keep-trials``."""
+    print(f"[bench] {label}: {run['num_trials']} trials in {run['wall_s']:.0f} s", flush=True)
+    if run["errors"]:
+        print(f"[bench] {label}: {run['errors']} trials failed (Ray's error files under "
+              f"{storage / experiment}); its figures are marked, run it again", flush=True)
+    elif not args.keep_trials:
+        # runs.json holds every figure (the selected checkpoint's dev included);
+        # the trials' checkpoints (~0.3 GB each, PBT keeps all) would fill a disk
+        shutil.rmtree(storage / experiment, ignore_errors=True)
+
+
+def keep_runs(runs_file: Path, args, runs: dict) -> None:
+    """runs.json: every run so far, with the settings they share (``SAME``)."""
+    kept = {"args": {k: getattr(args, k) for k in SAME}, "runs": runs}
+    tmp = runs_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(kept, default=str), encoding="utf-8")
+    tmp.replace(runs_file)  # every finished run is kept, even if a later one fails
+
+
+def run_all(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
+    """Run every (seed, method) asked for; each finished run is added to runs.json."""
+    with bench_ray(args, out) as (data, base, storage, machine):
         for seed in args.seed_list:
             for name in args.method_list:
                 print(f"[bench] seed {seed}: {METHODS[name].label} ...", flush=True)
                 run = run_method(name, seed, data, base, args, storage)
                 runs.setdefault(name, {})[seed] = {**run, "command": command,
                                                    "machine": machine}
-                print(f"[bench] seed {seed} {name}: {run['num_trials']} trials in "
-                      f"{run['wall_s']:.0f} s", flush=True)
-                if run["errors"]:
-                    print(f"[bench] seed {seed} {name}: {run['errors']} trials failed (Ray's "
-                          f"error files under {storage / f'{name}-seed{seed}'}); its figures "
-                          "are marked, run it again", flush=True)
-                elif not args.keep_trials:
-                    # runs.json holds every figure (the selected checkpoint's dev included);
-                    # the trials' checkpoints (~0.3 GB each, PBT keeps all) would fill a disk
-                    shutil.rmtree(storage / f"{name}-seed{seed}", ignore_errors=True)
-                kept = {"args": {k: getattr(args, k) for k in SAME}, "runs": runs}
-                tmp = runs_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(kept, default=str), encoding="utf-8")
-                tmp.replace(runs_file)  # every finished run is kept, even if a later one fails
-    finally:
-        ray.shutdown()
+                settle_run(run, args, storage, f"{name}-seed{seed}", f"seed {seed} {name}")
+                keep_runs(runs_file, args, runs)
     return runs
 
 

@@ -1,0 +1,330 @@
+"""Growing a finished search (the driver's ``--extend``) against one search of twice the size.
+
+    python bench/search_extension.py [--seeds 0,1,2] [--trials 4]
+        [--out bench_results/search_extension] [--docs docs/bench]
+        (and bench/search_efficiency.py's data, model, budget and worker flags)
+
+On bench/search_efficiency.py's slice (its flags and defaults: data rows, model, one full
+training = ``--full-examples``, lr, batch, warm-up, workers) with one method, by default
+the driver's default pair (``search_methods.DEFAULT_METHOD``), per seed s:
+
+* **A** -- a search of N = ``--trials`` trials, seed s;
+* **B** -- its extension: a search of N more trials whose searcher (seed s) is first told
+  A's trials as the driver's ``--extend`` tells it (mtbert.tune.extension:
+  ``earlier_from_records`` + ``searcher_points``, the objective A's own searcher saw);
+* **C** -- one search of 2N trials from scratch, seed s.
+
+Per seed and as mean +- sd over the seeds: the best validation overall of A and B
+together against C's; the dev overall of the trial each selects (the best-val trial of
+A or B, C's; its best checkpoint); the compute -- training examples (B: its own trials
+only) -- and wall seconds (A + B against C); that no trial of B repeats a configuration of
+A and that B's Ray experiment holds only B's trials (no example re-trains an old trial).
+The target: A and B's best val not below C's by more than one standard error, read per
+seed against C's best trial's ``val/overall_se`` (this decides: every seed must meet it)
+and as the mean difference against the standard error of the per-seed differences.
+
+Every run is kept in ``OUT/runs.json`` as it finishes (with what B was told, the commit
+and the load average); later calls add seeds to it (the settings must match).  Prints
+the table and writes ``DOCS/search_extension.json`` (docs/bench/search_extension.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from search_efficiency import build_parser as efficiency_parser
+from search_efficiency import load_runs
+from search_efficiency import parse_args as efficiency_args
+from search_methods import DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget
+from search_runs import bench_ray, keep_runs, run_method, settle_run
+from search_stats import mean_sd
+
+REPO = Path(__file__).resolve().parents[1]
+#: the three searches of a seed, in the order they run
+ROLES = ("first", "extension", "cold")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """search_efficiency's settings, with this bench's defaults and meanings."""
+    p = efficiency_parser(__doc__.split("\n\n")[0])
+    helps = {"trials": "N: trials of the first search and of its extension (the cold "
+                       "search has 2N)",
+             "methods": "the one searcher/scheduler pair measured (a key of "
+                        "search_methods.METHODS whose searcher can be told earlier trials)",
+             "out": "keeps runs.json (every run so far) and Ray's trial folders",
+             "docs": "where search_extension.json goes",
+             "population": argparse.SUPPRESS, "carry_figures": argparse.SUPPRESS}
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+    p.set_defaults(trials=4, methods=DEFAULT_METHOD,
+                   out=str(REPO / "bench_results" / "search_extension"),
+                   docs=str(REPO / "docs" / "bench"))
+    return p
+
+
+def parse_args(argv):
+    from mtbert.tune.choices import SCHEDULERS, searcher_choice
+    p, args = efficiency_args(argv, build_parser())
+    if len(args.method_list) != 1:
+        p.error(f"--methods {args.methods}: one method")
+    method = METHODS[args.method_list[0]]
+    if method.searcher == "grid" or SCHEDULERS[method.scheduler].population \
+            or not searcher_choice(method.searcher).learns_from_earlier:
+        p.error(f"--methods {args.methods}: its searcher ({method.searcher}) cannot be told "
+                "an earlier search's trials")
+    if args.trials < 1:
+        p.error(f"--trials {args.trials}: expected at least 1")
+    args.method = args.method_list[0]
+    return p, args
+
+
+# ---------------------------------------------------------------------- the runs
+def told_points(records: list, args, name: str) -> list:
+    """What the extension's searcher is told of the first search's trials: as the driver
+    tells it (mtbert.tune.tuner.told_points)."""
+    from mtbert.tune.choices import SCHEDULERS
+    from mtbert.tune.extension import earlier_from_records, searcher_points
+    from mtbert.tune.records import rung_metric_keys
+    from mtbert.tune.spaces import parse_space
+    method = METHODS[name]
+    searched = list(parse_space(SPACES[method.space], "bench/search_extension.py").searched)
+    earlier = earlier_from_records(f"{name}-first", records, searched)
+    return searcher_points(earlier, searched, SCHEDULERS[method.scheduler].frees_paused_places,
+                           bench_budget(args, method).grace_period,
+                           rung_metric_keys(method.rung_metric)[0])
+
+
+def commit() -> str | None:
+    """The commit of the code measured (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run_seed(seed: int, args, sitting, keep) -> dict:
+    """A, B (told A's trials) and C of one seed; ``keep(role, run)`` as each finishes."""
+    data, base, storage, _ = sitting
+    name, points, done = args.method, (), {}
+    for role in ROLES:
+        role_args = argparse.Namespace(**{**vars(args), "trials": args.trials * (
+            2 if role == "cold" else 1)})
+        experiment = f"{name}-seed{seed}-{role}"
+        print(f"[bench] seed {seed}: {role} search, {role_args.trials} trials of "
+              f"{METHODS[name].label}" + (f", told {len(points)} earlier trials"
+                                           if role == "extension" else "") + " ...", flush=True)
+        run = run_method(name, seed, data, base, role_args, storage,
+                         earlier=points if role == "extension" else (),
+                         experiment=experiment, records=role == "first")
+        if role == "first":
+            points = told_points(run.pop("records"), args, name)
+            run["told"] = [asdict(p) for p in points]
+        settle_run(run, args, storage, experiment, f"seed {seed} {role}")
+        done[role] = keep(role, run)
+    return done
+
+
+def measure(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
+    """Every seed asked for (all three searches); each run is added to runs.json as it
+    finishes."""
+    with bench_ray(args, out) as sitting:
+        machine, code = sitting[3], commit()
+
+        def keep(role: str, run: dict) -> dict:
+            runs.setdefault(role, {})[run["seed"]] = kept = {
+                **run, "role": role, "command": command, "machine": machine,
+                "commit": code, "load_avg": list(os.getloadavg())}
+            keep_runs(runs_file, args, runs)
+            return kept
+
+        for seed in args.seed_list:
+            run_seed(seed, args, sitting, keep)
+    return runs
+
+
+# ---------------------------------------------------------------------- the figures
+def _examples(run: dict) -> int:
+    """Training examples the run's trials were measured at (each trial's last report)."""
+    return sum(t["reports"][-1]["examples"] for t in run["trials"] if t["reports"])
+
+
+def _best(trials: list[dict]) -> dict | None:
+    return max(trials, key=lambda t: t["best_val"], default=None)
+
+
+def _config(trial: dict) -> tuple:
+    return tuple(sorted(trial["config"].items()))
+
+
+def reuse_check(first: dict, extension: dict, trials: int) -> dict:
+    """What B spent on A's trials: its trials whose configuration equals one of A's (and
+    their examples), trial ids shared, and whether B's experiment holds only its own
+    (at most N) trials."""
+    old = {_config(t) for t in first["trials"]}
+    repeats = [t for t in extension["trials"] if _config(t) in old]
+    shared = {t["trial"] for t in first["trials"]} & {t["trial"] for t in extension["trials"]}
+    return {"extension_trials": extension["num_trials"],
+            "repeated_configs": len(repeats),
+            "examples_retraining_old": _examples({"trials": repeats}),
+            "shared_trial_ids": len(shared),
+            "only_own_trials": extension["num_trials"] <= trials and not shared}
+
+
+def seed_figures(first: dict, extension: dict, cold: dict, trials: int) -> dict:
+    """One seed: A and B together against C (run dicts as runs.json keeps them)."""
+    both, c_best = _best(first["trials"] + extension["trials"]), _best(cold["trials"])
+    picks = [(role, r["selected"]) for role, r in (("first", first), ("extension", extension))
+             if r.get("selected")]
+    from_role, sel = max(picks, key=lambda p: p[1]["val"], default=(None, None))
+    c_sel = cold.get("selected")
+    diff = both["best_val"] - c_best["best_val"] if both and c_best else None
+    return {
+        "seed": first["seed"], "errors": first["errors"] + extension["errors"] + cold["errors"],
+        "trials": {"first": first["num_trials"], "extension": extension["num_trials"],
+                   "cold": cold["num_trials"]},
+        "told": len(first.get("told", [])),
+        "best_val": both and both["best_val"], "cold_best_val": c_best and c_best["best_val"],
+        "cold_best_val_se": c_best and c_best["best_val_se"], "best_val_diff": diff,
+        "within_one_se": None if diff is None else diff >= -c_best["best_val_se"],
+        "selected_from": from_role, "selected_config": sel and sel["config"],
+        "selected_val": sel and sel["val"],
+        "selected_dev": sel and sel["dev"], "selected_dev_se": sel and sel["dev_se"],
+        "cold_selected_config": c_sel and c_sel["config"],
+        "cold_selected_dev": c_sel and c_sel["dev"],
+        "cold_selected_dev_se": c_sel and c_sel["dev_se"],
+        "examples_first": _examples(first), "examples_extension": _examples(extension),
+        "examples": _examples(first) + _examples(extension), "cold_examples": _examples(cold),
+        "wall_s_first": first["wall_s"], "wall_s_extension": extension["wall_s"],
+        "wall_s": first["wall_s"] + extension["wall_s"], "cold_wall_s": cold["wall_s"],
+        **reuse_check(first, extension, trials)}
+
+
+FIGURES = ("best_val", "cold_best_val", "best_val_diff", "selected_dev", "cold_selected_dev",
+           "examples_first", "examples_extension", "examples", "cold_examples",
+           "wall_s_first", "wall_s_extension", "wall_s", "cold_wall_s")
+
+
+def summarise(per_seed: list[dict]) -> dict:
+    """mean +- sd over the seeds, and the target read both ways: per seed (every seed
+    within C's best trial's se; this decides) and the mean difference against the
+    standard error of the per-seed differences."""
+    out = {k: mean_sd([f[k] for f in per_seed]) for k in FIGURES}
+    diffs = [f["best_val_diff"] for f in per_seed]
+    se = (statistics.stdev(diffs) / math.sqrt(len(diffs))
+          if len(diffs) > 1 and None not in diffs else None)
+    per_seed_met = bool(per_seed) and all(f["within_one_se"] for f in per_seed)
+    out["target"] = {
+        "per_seed_within_one_se": [f["within_one_se"] for f in per_seed],
+        "per_seed_met": per_seed_met,
+        "mean_diff": out["best_val_diff"]["mean"], "se_of_diffs": se,
+        "mean_met": None if se is None else out["best_val_diff"]["mean"] >= -se,
+        "decides": "per seed", "met": per_seed_met}
+    out["no_retraining"] = bool(per_seed) and all(
+        f["repeated_configs"] == 0 and f["only_own_trials"] for f in per_seed)
+    return out
+
+
+def figures(runs: dict, trials: int) -> dict:
+    """Per seed with all three searches kept, and over them."""
+    seeds = sorted(set.intersection(*(set(runs.get(r, {})) for r in ROLES)))
+    per_seed = [seed_figures(*(runs[r][s] for r in ROLES), trials) for s in seeds]
+    return {"seeds": seeds, "per_seed": per_seed, "summary": summarise(per_seed)}
+
+
+# ---------------------------------------------------------------------- the report
+def _pm(s: dict, digits: int = 4) -> str:
+    return "-" if s["mean"] is None else f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
+
+
+def _cell(value, width: int, spec: str = "") -> str:
+    """A table cell: ``value`` formatted, '-' where there is none (a failed search)."""
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+#: the per-seed table: (heading, figure, width, format)
+COLUMNS = (("seed", "seed", 4, "d"), ("best val A+B", "best_val", 12, ".4f"),
+           ("C", "cold_best_val", 7, ".4f"), ("diff", "best_val_diff", 8, "+.4f"),
+           ("C se", "cold_best_val_se", 6, ".4f"), ("dev A+B", "selected_dev", 8, ".4f"),
+           ("from", "selected_from", 9, "s"), ("C dev", "cold_selected_dev", 7, ".4f"),
+           ("ex. A", "examples_first", 6, "d"), ("ex. B", "examples_extension", 6, "d"),
+           ("ex. C", "cold_examples", 6, "d"), ("wall A+B", "wall_s", 8, ".0f"),
+           ("C", "cold_wall_s", 6, ".0f"), ("B trials", "extension_trials", 8, "d"),
+           ("repeats", "repeated_configs", 7, "d"))
+
+
+def print_table(fig: dict) -> None:
+    print("\n" + " ".join(f"{h:>{w}}" for h, _, w, _ in COLUMNS) + "  <=1se")
+    for f in fig["per_seed"]:
+        print(" ".join(_cell(f[k], w, spec) for _, k, w, spec in COLUMNS)
+              + f"  {'yes' if f['within_one_se'] else 'no'}")
+    if not fig["per_seed"]:
+        return
+    s = fig["summary"]
+    print(f"mean ± sd: best val A+B {_pm(s['best_val'])}, C {_pm(s['cold_best_val'])}, "
+          f"diff {_pm(s['best_val_diff'])}; selected dev A+B {_pm(s['selected_dev'])}, "
+          f"C {_pm(s['cold_selected_dev'])}; examples A+B {_pm(s['examples'], 0)}, "
+          f"C {_pm(s['cold_examples'], 0)}; wall A+B {_pm(s['wall_s'], 0)} s, "
+          f"C {_pm(s['cold_wall_s'], 0)} s")
+    t = s["target"]
+    se = "n/a" if t["se_of_diffs"] is None else f"{t['se_of_diffs']:.4f}"
+    mean = {True: "met", False: "missed", None: "n/a"}[t["mean_met"]]
+    print(f"target (A+B best val >= C's - one se): per seed {t['per_seed_within_one_se']} "
+          f"-> {'met' if t['per_seed_met'] else 'missed'} (this decides); mean diff "
+          f"{_cell(t['mean_diff'], 0, '+.4f')} against the se of the differences {se} -> {mean}; "
+          f"no example re-trains an old trial: {s['no_retraining']}")
+
+
+def write_figures(args, runs: dict, docs: Path | None) -> dict:
+    fig = figures(runs, args.trials)
+    print_table(fig)
+    if docs is not None:
+        kept = [runs[r][s] for s in fig["seeds"] for r in ROLES]
+        doc = {"method": args.method, "label": METHODS[args.method].label,
+               "settings": {k: getattr(args, k) for k in SAME},
+               "commands": sorted({r["command"] for r in kept}),
+               "commits": sorted({str(r.get("commit")) for r in kept}),
+               "machines": [dict(t) for t in {tuple(sorted(r["machine"].items()))
+                                              for r in kept}],
+               "runs": [{"seed": r["seed"], "role": r["role"], "started": time.strftime(
+                   "%Y-%m-%d %H:%M:%S", time.localtime(r["started"])), "wall_s": r["wall_s"],
+                   "load_avg": r.get("load_avg"), "told": r.get("told")} for r in kept],
+               **fig}
+        docs.mkdir(parents=True, exist_ok=True)
+        (docs / "search_extension.json").write_text(json.dumps(doc, indent=1) + "\n",
+                                                    encoding="utf-8")
+        print(f"[bench] figures in {docs / 'search_extension.json'}", flush=True)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    from mtbert.tune import cluster
+
+    cluster.quiet_environment()
+    out, docs = Path(args.out).resolve(), Path(args.docs).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file = out / "runs.json"
+    runs = load_runs(runs_file, args, p)
+    other = {r["method"] for by_seed in runs.values() for r in by_seed.values()} - {args.method}
+    if other:
+        p.error(f"{runs_file}: its runs measured {', '.join(sorted(other))}; pass another --out")
+    if not args.report_only:
+        runs = measure(args, runs, runs_file, out,
+                       "python bench/search_extension.py " + " ".join(argv or sys.argv[1:]))
+    write_figures(args, runs, docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
