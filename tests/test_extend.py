@@ -69,6 +69,8 @@ def _propose(limiter, n: int, score=lambda c: 0.0) -> list[tuple]:
 OLD = [_record("a", {"dropout": 0.1, "batch_size": 8}, [0.40, 0.70]),   # the old optimum
        _record("b", {"dropout": 0.3, "batch_size": 16}, [0.30, 0.35]),
        _record("c", {"dropout": 0.2, "batch_size": 16}, [0.20], TrialStatus.STOPPED_EARLY)]
+#: stopped before its first evaluation
+UNSCORED = TrialRecord("f", "trial_f", TrialStatus.STOPPED_EARLY, {"dropout": 0.3, "batch_size": 8})
 
 
 def test_earlier_trials_are_told_as_the_searcher_tells_its_own():
@@ -87,15 +89,17 @@ def test_earlier_trials_are_told_as_the_searcher_tells_its_own():
     errored = _record("e", {"dropout": 0.1, "batch_size": 8}, [0.1], TrialStatus.ERROR)
     [p] = searcher_points(_earlier([errored], prior=True), list(STEPPED), False, 48, OBJECTIVE)
     assert (p.state, p.value, p.prior) == ("fail", None, True)
+    [p] = searcher_points(_earlier([UNSCORED]), list(STEPPED), True, 96, "val/classes_soft")
+    assert (p.state, p.value) == ("pruned", None)    # stopped before its first evaluation
 
 
 def test_extended_searcher_proposes_otherwise_and_never_retrains_the_old_optimum():
     cold, _ = _searcher()
     cold_first = _propose(cold, 3)
-    points = searcher_points(_earlier(OLD), list(STEPPED), False, 48, OBJECTIVE)
+    points = searcher_points(_earlier(OLD + [UNSCORED]), list(STEPPED), False, 48, OBJECTIVE)
     warm, searcher = _searcher(points)
     study = searcher._ot_study
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
     assert study.best_trial.params == {"dropout": 0.1, "batch_size": 8}
     warm_first = _propose(warm, 3)
     assert warm_first != cold_first

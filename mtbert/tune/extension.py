@@ -21,8 +21,8 @@ of its trials (:func:`searcher_points`), so that old and new values are on one s
 behind ``asha-promote`` (searchers.RunningTrialsLimiter) the rung metric at the first
 rung, as a completed Optuna trial; otherwise the objective where the trial ended, as a
 completed trial if it trained its whole budget and as a *pruned* trial (with its
-evaluations as intermediate values) if the scheduler stopped it at a rung; an errored
-trial is a failed one.  Nothing of the earlier search is trained again.
+evaluations as intermediate values) if the scheduler stopped it at a rung (one stopped
+before its first evaluation: pruned, without a value); an errored trial is a failed one.  Nothing of the earlier search is trained again.
 """
 
 from __future__ import annotations
@@ -186,7 +186,10 @@ def searcher_points(earlier: EarlierSearch, searched: list[str], at_first_rung: 
                  if isinstance(h.get(metric), (int, float)) and math.isfinite(h[metric])
                  and h.get("examples_seen", 0) > 0]
         if r.status == TrialStatus.ERROR or not curve:
-            points.append(EarlierPoint(params, "fail", None, prior=prior, trial_id=r.trial_id))
+            # stopped before its first evaluation: pruned without a value, as a searcher
+            # is told a trial that ended with no result; an error: failed
+            state = "fail" if r.status == TrialStatus.ERROR else "pruned"
+            points.append(EarlierPoint(params, state, None, prior=prior, trial_id=r.trial_id))
             continue
         if at_first_rung:
             at = [float(h[metric]) for h in r.history if h.get("examples_seen", 0) >= first_rung
