@@ -93,6 +93,19 @@ def test_earlier_trials_are_told_as_the_searcher_tells_its_own():
     assert (p.state, p.value) == ("pruned", None)    # stopped before its first evaluation
 
 
+def test_the_driver_says_what_the_searcher_was_told():
+    from mtbert.tune.extension import told_line
+    earlier = _earlier(OLD + [UNSCORED])
+    points = searcher_points(earlier, list(STEPPED), True, 96, "val/classes_soft")
+    line = told_line(points, earlier, "optuna", True, 96, "val/classes_soft")
+    assert ("told 4 earlier trials (2 with their val/classes_soft at the first rung (96 "
+            "examples), 2 that ended before it as pruned, 0 failed)") in line
+    points = searcher_points(earlier, list(STEPPED), False, 48, OBJECTIVE)
+    line = told_line(points, earlier, "optuna", False, 48, OBJECTIVE)
+    assert "(2 completed with their val/overall, 2 stopped at a rung as pruned, 0 failed)" in line
+    assert "cannot be told" in told_line([], earlier, "random", False, 48, OBJECTIVE)
+
+
 def test_extended_searcher_proposes_otherwise_and_never_retrains_the_old_optimum():
     cold, _ = _searcher()
     cold_first = _propose(cold, 3)
@@ -270,8 +283,10 @@ def test_extending_twice_chains(searches):
 
 
 def test_another_budget_is_a_prior_only(searches, tiny_model_dir):
+    # (the default scheduler, promoting ASHA: told at the first rung)
     rc, out, err = _main(["--extend", "first", "--budget", "small", "--num-samples", "1",
-                          "--experiment", "prior", *searches["common"]])
+                          "--scheduler", "asha-promote", "--experiment", "prior",
+                          *searches["common"]])
     assert rc == 0, err[-2000:]
     s = json.loads((searches["storage"] / "prior" / "summary.json").read_text())
     assert s["extends"]["prior_trials"] == 3 and s["extends"]["joint_trials"] == 0

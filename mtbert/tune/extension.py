@@ -204,7 +204,7 @@ def searcher_points(earlier: EarlierSearch, searched: list[str], at_first_rung: 
 
 
 def told_line(points: list[EarlierPoint], earlier: EarlierSearch, searcher: str,
-              at_first_rung: bool, told_metric: str, first_rung: int) -> str:
+              at_first_rung: bool, first_rung: int, told_metric: str) -> str:
     """The driver's line on what the searcher was told (``points``: none where it cannot
     be told; the other arguments as for :func:`searcher_points`)."""
     if not earlier.known:
