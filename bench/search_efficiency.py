@@ -137,15 +137,21 @@ def load_runs(path: Path, args, p) -> dict[str, dict[int, dict]]:
     return {m: {int(s): r for s, r in by_seed.items()} for m, by_seed in kept["runs"].items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p, args = parse_args(argv)
+def open_runs(args, p) -> tuple[Path, Path, Path, dict[str, dict[int, dict]]]:
+    """A bench's output folders and the runs kept so far: (OUT, DOCS, OUT/runs.json, runs)
+    (the quiet environment of the driver set first)."""
     from mtbert.tune import cluster
 
     cluster.quiet_environment()
     out, docs = Path(args.out).resolve(), Path(args.docs).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs_file = out / "runs.json"
-    runs = load_runs(runs_file, args, p)
+    return out, docs, runs_file, load_runs(runs_file, args, p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    out, docs, runs_file, runs = open_runs(args, p)
     if not args.report_only:
         runs = run_all(args, runs, runs_file, out,
                        "python bench/search_efficiency.py " + " ".join(argv or sys.argv[1:]))

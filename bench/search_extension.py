@@ -42,7 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from search_efficiency import build_parser as efficiency_parser
-from search_efficiency import load_runs
+from search_efficiency import open_runs
 from search_efficiency import parse_args as efficiency_args
 from search_methods import DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget
 from search_runs import bench_ray, keep_runs, run_method, settle_run
@@ -309,13 +309,7 @@ def write_figures(args, runs: dict, docs: Path | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
-    from mtbert.tune import cluster
-
-    cluster.quiet_environment()
-    out, docs = Path(args.out).resolve(), Path(args.docs).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    runs_file = out / "runs.json"
-    runs = load_runs(runs_file, args, p)
+    out, docs, runs_file, runs = open_runs(args, p)
     other = {r["method"] for by_seed in runs.values() for r in by_seed.values()} - {args.method}
     if other:
         p.error(f"{runs_file}: its runs measured {', '.join(sorted(other))}; pass another --out")
