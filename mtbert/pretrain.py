@@ -54,6 +54,7 @@ from torch import nn
 from mtbert.atomic import atomic_write
 from mtbert.config import TrainConfig
 from mtbert.data import MultitaskData, _pad, collate, default_cache_dir, encoding_for
+from mtbert.dropout_rate import RateDropout
 from mtbert.losses import task_loss
 
 CACHE_VERSION = "1"
@@ -189,6 +190,8 @@ def cache_key(cfg: TrainConfig, data: MultitaskData, modules: dict[str, nn.Modul
         "max_length": cfg.max_length, "dropout": cfg.dropout, "pooling": cfg.pooling,
         "device": torch.device(device).type,
     }
+    if any(isinstance(m, RateDropout) for module in modules.values() for m in module.modules()):
+        fields["dropout_kernel"] = "rate_tensor"  # (CUDA) other masks than nn.Dropout's
     if stage in ("simcse", "simcse_sup"):
         fields["simcse_temp"] = cfg.simcse_temp
     if stage == "qqp":

@@ -141,6 +141,20 @@ class SmartRegulariser:
     ``after_step(model)`` updates the EMA teacher; ``state_dict`` holds the teacher."""
 
     def __init__(self, cfg: TrainConfig, model: nn.Module):
+        self._read(cfg)
+        self.teacher: dict[str, torch.Tensor] | None = None
+        if self.mu > 0:
+            self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
+                            if p.requires_grad}
+        # the values the term multiplies and clamps by: these floats, or after
+        # hold_in_tensors() 0-d device tensors that a captured step reads at each replay
+        self.values: dict[str, float | torch.Tensor] = self._value_floats()
+        self._busy = False
+        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
+        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
+        self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+
+    def _read(self, cfg: TrainConfig) -> None:
         self.lambdas = {t: float(cfg.smart_lambda(t)) for t in TASKS}
         self.eps = float(cfg.smart_eps)
         self.noise_std = math.sqrt(cfg.smart_noise)  # smart_noise is the variance σ²
@@ -148,14 +162,47 @@ class SmartRegulariser:
         self.step_size = float(cfg.smart_step_size)
         self.mu = float(cfg.smart_mu)
         self.beta = float(cfg.smart_beta)
-        self.teacher: dict[str, torch.Tensor] | None = None
-        if self.mu > 0:
-            self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
-                            if p.requires_grad}
-        self._busy = False
-        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
-        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
-        self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+
+    def _value_floats(self) -> dict[str, float]:
+        return {**{f"lambda_{t}": lam for t, lam in self.lambdas.items()},
+                "eps": self.eps, "mu": self.mu}
+
+    # -------------------------------------------------------------- tensor values
+    def structure(self) -> tuple:
+        """What a captured term is built from and a new value cannot change: which terms
+        are on (λ_t > 0, μ > 0) and the ascent's settings."""
+        return (tuple(sorted((t, lam > 0) for t, lam in self.lambdas.items())), self.mu > 0,
+                self.steps, self.step_size, self.noise_std)
+
+    def hold_in_tensors(self, device: torch.device) -> None:
+        """λ_t, ε and μ from 0-d float32 tensors on ``device`` from now on (the same
+        products and clamp as with the floats), so that :meth:`refill` changes what a
+        captured step computes without capturing it again."""
+        self.values = {k: torch.tensor(float(v), dtype=torch.float32, device=device)
+                       for k, v in self.values.items()}
+
+    def refill(self, cfg: TrainConfig, model: nn.Module) -> None:
+        """Take ``cfg``'s λ_t, ε and μ and start the teacher anew at ``model`` (in place:
+        a captured step keeps reading the same tensors), for a new run of the same
+        :meth:`structure`; ValueError where the structure differs."""
+        other = SmartRegulariser.__new__(SmartRegulariser)
+        SmartRegulariser._read(other, cfg)
+        if SmartRegulariser.structure(other) != self.structure():
+            raise ValueError("the new SMART settings switch a term on or off, or change the "
+                             "ascent: a captured step cannot take them")
+        self.lambdas, self.eps, self.mu = other.lambdas, other.eps, other.mu
+        self.beta = other.beta  # read by the teacher's update, outside the task graphs
+        for key, value in self._value_floats().items():
+            if isinstance(self.values[key], torch.Tensor):
+                self.values[key].fill_(value)
+            else:
+                self.values[key] = value
+        if self.teacher is not None:
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in self.teacher.items():
+                    tensor.copy_(params[name])
+        self._seen = None
 
     # -------------------------------------------------------------- hooks / state
     def _remember_rng(self, module, args, kwargs):
@@ -204,9 +251,10 @@ class SmartRegulariser:
             return total
         rng = self._replay_state(task, batch)
         if lam > 0:
-            total = total + lam * self.smoothness(model, task, batch, clean, rng)
+            total = total + self.values[f"lambda_{task}"] * self.smoothness(model, task, batch,
+                                                                           clean, rng)
         if self.mu > 0:
-            total = total + self.mu * self.bregman(model, task, batch, clean, rng)
+            total = total + self.values["mu"] * self.bregman(model, task, batch, clean, rng)
         return total
 
     def _replay_state(self, task: str, batch: dict[str, torch.Tensor]):
@@ -252,8 +300,9 @@ class SmartRegulariser:
             norm = torch.stack([g.abs().flatten(1).amax(1) for g in grads.values()]).amax(0)
             norm = norm.view(-1, 1, 1) + _TINY
             # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
-            delta = {k: ((delta[k].detach() + self.step_size * grads[k] / norm)
-                         .clamp(-self.eps, self.eps) * masks[k]) for k in keys}
+            eps = self.values["eps"]
+            delta = {k: (torch.clamp(delta[k].detach() + self.step_size * grads[k] / norm,
+                                     -eps, eps) * masks[k]) for k in keys}
         return x, delta
 
     def smoothness(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],

@@ -125,12 +125,14 @@ class GraphStats:
     """What the graphs cost and did (reported by the trainer and the benches)."""
     shapes: set = field(default_factory=set)  # (task, batch shapes) met
     captured: int = 0
+    kept: int = 0  # task graphs taken from the worker's previous trial
     capture_s: float = 0.0
     eager_steps: int = 0
     replayed_steps: int = 0
 
     def as_metrics(self) -> dict:
         return {"graphs/shapes": len(self.shapes), "graphs/captured": self.captured,
+                "graphs/kept": self.kept,
                 "graphs/capture_s": self.capture_s, "graphs/eager_steps": self.eager_steps,
                 "graphs/replayed_steps": self.replayed_steps}
 
@@ -140,17 +142,30 @@ class StepGraphs:
     graphs; the trainer's model, optimizer, loss combiner and regulariser are used as they
     are (see the module doc)."""
 
-    def __init__(self, trainer, warmup_steps: int = WARMUP_STEPS, log=print):
+    def __init__(self, trainer, warmup_steps: int = WARMUP_STEPS, log=print,
+                 kept: "StepGraphs | None" = None):
         """On a CPU nothing is captured: every step runs the graphs' bodies eagerly (so the
         bookkeeping around them -- fixed batches, reached parameters, static gradients,
-        tensor learning rates -- is tested where CI runs)."""
+        tensor learning rates -- is tested where CI runs).  ``kept``: the step graphs of this
+        worker's previous trainer of the same structure, whose task graphs (and the
+        trainer's model, loss weighting and regulariser they read) this one replays
+        (:mod:`mtbert.graph_reuse`); its optimizer graphs are captured anew."""
         self.t = trainer
         self.device = trainer.device
         self.cuda = self.device.type == "cuda"
         self.warmup_steps = warmup_steps if self.cuda else float("inf")
         self.log = log
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.stats = GraphStats()
+        if kept is not None:
+            self._adopt(kept)
+        else:
+            self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+            self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+            # the regulariser's during a capture
+            self.rng = GraphRngReplay(self.device) if self.cuda else None
+            self.task_graphs: dict[tuple, TaskGraph] = {}
+            self.reach: dict[str, set[int]] = {}
+            self.static_grads = False
         self.params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
         # the LR schedule keeps float learning rates in the param groups; the update reads
         # these device copies (one vector, written before every step)
@@ -160,15 +175,26 @@ class StepGraphs:
         self.lr_views = [self.lr_vector[i] for i in range(len(groups))]
         for group in groups:
             group["capturable"] = True
-        # the regulariser's during a capture
-        self.rng = GraphRngReplay(self.device) if self.cuda else None
-        self.task_graphs: dict[tuple, TaskGraph] = {}
         self.optimizer_graphs: dict[frozenset, torch.cuda.CUDAGraph] = {}
         self.eager_counts: dict = {}
-        self.reach: dict[str, set[int]] = {}
         self.last_batch: dict[tuple, dict[str, torch.Tensor]] = {}
-        self.static_grads = False
-        self.stats = GraphStats()
+
+    def _adopt(self, kept: "StepGraphs") -> None:
+        """The kept task graphs with their stream, memory pool, generator states and the
+        parameters each task's loss reaches; the static gradients zeroed (a stop between a
+        task graph and the update may have left a sum in them)."""
+        self.stream, self.pool, self.rng = kept.stream, kept.pool, kept.rng
+        self.task_graphs, self.reach = kept.task_graphs, kept.reach
+        self.static_grads = kept.static_grads
+        if self.static_grads:
+            torch._foreach_zero_([p.grad for p in kept.params if p.grad is not None])
+        else:
+            for p in kept.params:
+                p.grad = None
+        self.stats.kept = len(self.task_graphs)
+        if self.task_graphs:
+            self.log(f"[mtbert] step graphs: {len(self.task_graphs)} task graphs kept from "
+                     "this worker's previous trial of the same structure")
 
     # ------------------------------------------------------------------ a step
     def step(self, batches: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

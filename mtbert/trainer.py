@@ -38,6 +38,8 @@ from mtbert.cosine_init import fit_qqp_cosine
 from mtbert.data import (ROW_WEIGHTS, MultitaskData, Split, TaskBatcher, collate, encoding_for,
                          eval_batches, eval_rows, eval_token_cap, real_rows)
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
+from mtbert import graph_reuse
+from mtbert.dropout_rate import hold_dropout_in_tensor
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
 from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
@@ -164,12 +166,13 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.model = (model or MultitaskModel.from_config(cfg)).to(self.device)
+        # graphs: what this worker's previous trainer of the same structure captured
+        kept = graph_reuse.take(graph_reuse.structure(cfg)) if graphs and model is None else None
+        self._build_model(model or MultitaskModel.from_config(cfg), kept, graphs)
+        self._reusable = model is None  # a caller's own model is not left for another
         if resume_from is None:
             self._prepare_fresh_model()
-        self.loss_combiner = build_loss_combiner(cfg).to(self.device)
-        self.grad_combiner = build_gradient_combiner(cfg)
-        self.regulariser = build_regulariser(cfg, self.model)
+        self._build_loss_parts(kept, graphs)
         self._build_batching()
         # the fused kernel updates all 22M MiniLM parameters in ~15 ms on one CPU thread,
         # the default for-loop implementation in ~190 ms (a large share of a training step)
@@ -186,7 +189,9 @@ class Trainer:
             self.load_checkpoint(resume_from)
         # step_mode=graphs: the step from captured CUDA graphs (after any restore: it takes
         # the optimizer's param groups as they are then)
-        self.step_graphs = StepGraphs(self, log=self.log) if graphs else None
+        self.step_graphs = (StepGraphs(self, log=self.log,
+                                       kept=kept.step_graphs if kept is not None else None)
+                            if graphs else None)
         # where this process's time goes (reported as time/*; not kept across a resume):
         # setup = model load, pre-training stage, optimizer, batchers, checkpoint restore
         self.timings = {"setup_s": time.perf_counter() - setup_started, "train_s": 0.0,
@@ -197,6 +202,46 @@ class Trainer:
                                  "checkpoint_write_s": 0.0, "report_s": 0.0}
 
     # ------------------------------------------------------------------ setup
+    def _build_model(self, fresh: MultitaskModel, kept: graph_reuse.KeptStep | None,
+                     graphs: bool) -> None:
+        """The model on the device: ``fresh``, or the kept one with ``fresh``'s weights
+        copied in (in place: the kept graphs read those tensors).  On CUDA and under
+        graphs the ``dropout`` rate is a device tensor (:mod:`mtbert.dropout_rate`)."""
+        self.dropout_rate = None
+        if kept is not None:
+            kept.model.load_state_dict(fresh.state_dict())
+            kept.dropout_rate.fill(self.cfg.dropout)
+            self.model, self.dropout_rate = kept.model, kept.dropout_rate
+            return
+        self.model = fresh.to(self.device)
+        if graphs or self.device.type == "cuda":
+            self.dropout_rate = hold_dropout_in_tensor(self.model, self.cfg.dropout,
+                                                       self.device)
+
+    def _build_loss_parts(self, kept: graph_reuse.KeptStep | None, graphs: bool) -> None:
+        """Loss weighting, gradient combiner and SMART regulariser; a kept step's weighting
+        and regulariser take this run's initial state and values in place."""
+        cfg = self.cfg
+        self.loss_combiner = build_loss_combiner(cfg).to(self.device)
+        self.grad_combiner = build_gradient_combiner(cfg)
+        if kept is None:
+            self.regulariser = build_regulariser(cfg, self.model)
+            if graphs and self.regulariser is not None:
+                self.regulariser.hold_in_tensors(self.device)
+            return
+        kept.loss_combiner.load_state_dict(self.loss_combiner.state_dict())
+        self.loss_combiner, self.regulariser = kept.loss_combiner, kept.regulariser
+        if self.regulariser is not None:
+            self.regulariser.refill(cfg, self.model)
+
+    def leave_for_reuse(self) -> None:
+        """A graphed trainer that ended (budget spent, stopped, diverged) leaves its model
+        and graphs to this process's next trainer (:mod:`mtbert.graph_reuse`)."""
+        if self.step_graphs is not None and self.dropout_rate is not None and self._reusable:
+            graph_reuse.keep(graph_reuse.KeptStep(
+                graph_reuse.structure(self.cfg), self.model, self.loss_combiner,
+                self.regulariser, self.dropout_rate, self.step_graphs))
+
     def _build_batching(self) -> None:
         """Each task's training split, encoding and batcher, and the task schedule."""
         cfg, data = self.cfg, self.data
@@ -309,10 +354,16 @@ class Trainer:
                  f"{f' ({reason})' if reason else ''} schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
         try:
-            return self._fit()
-        except BaseException:
+            final = self._fit()
+        except (SystemExit, NonFiniteLossError):  # stopped by the scheduler; diverged
             self.checkpoint_writer.close()  # a checkpoint being written is finished first
+            self.leave_for_reuse()
             raise
+        except BaseException:
+            self.checkpoint_writer.close()
+            raise
+        self.leave_for_reuse()
+        return final
 
     def _fit(self) -> dict:
         cfg = self.cfg

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mtbert import graph_reuse
 from mtbert.data import load_data
 from mtbert.trainer import NonFiniteLossError, Trainer
 
@@ -16,6 +17,14 @@ pytestmark = [pytest.mark.cuda,
                                  reason="captured step graphs need a CUDA GPU; torch sees none")]
 
 SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0, smart_mu=0.5)
+
+
+@pytest.fixture(autouse=True)
+def nothing_kept():
+    """Each test's trainers start without another test's kept step graphs."""
+    graph_reuse.forget()
+    yield
+    graph_reuse.forget()
 
 
 def run_steps(cfg, data, folder, mode: str, steps: int = 20):
@@ -66,6 +75,7 @@ def test_resume_after_a_graphed_run_is_exact(tiny_config, tmp_path):
         if len(interrupted) == 2:
             raise Stop
 
+    graph_reuse.forget()  # each run captures its own (reuse: the test below)
     with pytest.raises(Stop):
         Trainer(cfg, data, tmp_path / "b", report=stop_after_two).fit()
     resumed = []
@@ -84,3 +94,33 @@ def test_a_diverged_graphed_run_stops_with_its_reason(tiny_config, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"^qqp loss became nan at 62 examples"):
         trainer.fit()
     assert trainer.history == [] and not (tmp_path / "checkpoint").exists()
+
+
+def test_a_reused_worker_replays_its_graphs_for_the_next_trial(tiny_config, tmp_path):
+    """What a reused Ray worker does: trial A trains from graphs and ends; trial B of the
+    same structure (another seed, lr, dropout, SMART λ, ε, μ) replays A's task graphs --
+    none is captured again, only B's optimizer graphs -- and trains as B built afresh
+    (the same random numbers) to bf16 rounding."""
+    a_cfg = tiny_config(device="cuda", step_mode="graphs", batch_size=8, max_length=64,
+                        dropout=0.1, max_examples=240, eval_every=240, eval_dev=False,
+                        eval_at_start=False, **SMART)
+    data = load_data(a_cfg)
+    a = Trainer(a_cfg, data, tmp_path / "a", checkpoints=False)
+    a.fit()
+    b_cfg = a_cfg.replace(seed=3, lr=2e-3, dropout=0.3, smart_lambda_sst=0.2, smart_eps=1e-4,
+                          smart_mu=1.0)
+    kept = Trainer(b_cfg, data, tmp_path / "b", checkpoints=False)
+    kept_final = kept.fit()
+    stats = kept.step_graphs.stats
+    assert kept.model is a.model
+    assert stats.kept == a.step_graphs.stats.captured - len(a.step_graphs.optimizer_graphs)
+    assert stats.kept >= 3 and stats.captured == len(kept.step_graphs.optimizer_graphs)
+    graph_reuse.forget()
+    fresh = Trainer(b_cfg, data, tmp_path / "fresh", checkpoints=False)
+    fresh_final = fresh.fit()
+    assert fresh.step_graphs.stats.kept == 0
+    for key in ("train/loss_sst", "train/loss_qqp", "train/loss_sts"):
+        assert kept_final[key] == pytest.approx(fresh_final[key], rel=3e-2, abs=3e-3), key
+    w_k = torch.cat([p.detach().flatten() for p in kept.model.parameters()])
+    w_f = torch.cat([p.detach().flatten() for p in fresh.model.parameters()])
+    assert ((w_k - w_f).norm() / w_f.norm()).item() < 1e-3
