@@ -110,9 +110,19 @@ def test_device_scripts_are_filled_and_parse(tmp_path, run):
     script = gb.device_script(2 if run else 1, 2, ["stack.tar.xz.00", "data"], 1,
                               ["numpy", "pydantic"], run=run, command=gb.COMMAND, limit_s=540)
     assert not re.search(r"@[A-Z]+@", script)
-    assert ("--budget full" in script) == run
+    assert ("bash tools/gpu_checks.sh" in script) == run
     (tmp_path / "run_on_device.sh").write_text(script)
     subprocess.run(["bash", "-n", str(tmp_path / "run_on_device.sh")], check=True)
+
+
+def test_the_default_command_runs_the_checks_then_the_full_search():
+    checks = gb.REPO / "tools" / "gpu_checks.sh"
+    text = checks.read_text(encoding="utf-8")
+    order = [text.index(s) for s in ("-m cuda tests/test_step_graphs.py",
+                                     "bench/trial_reuse.py", "bench/throughput.py",
+                                     "exec python tune_driver.py --space smart --budget full")]
+    assert order == sorted(order)
+    subprocess.run(["bash", "-n", str(checks)], check=True)
 
 
 def test_the_stack_is_ray_optuna_mlflow_without_what_the_machine_has():

@@ -21,7 +21,8 @@ adds ``/.gpu/`` to ``.git/info/exclude`` when missing), each under 60 MiB:
     ``to_fp32.py`` restores fp32 weights into a folder), the CSV files of
     ``../shared/data`` (``data/``) and stack parts that did not fit call 1; its
     ``run_on_device.sh`` restores ``/tmp/minilm`` and runs the command (default: the
-    full-budget ``smart`` search of docs/bench/step_graphs.md) with
+    CUDA tests, ``bench/trial_reuse.py`` and the full-budget ``smart`` search of
+    docs/bench/step_graphs.md: ``tools/gpu_checks.sh``) with
     ``PYTHONPATH=/tmp/stack:REPO`` (``.`` made absolute: Ray's workers run in their trial
     folders) and ``nvidia-smi`` logging beside it, then copies the
     search's ``summary.json`` / ``summary.md`` and its log to ``$OUT``.
@@ -94,8 +95,10 @@ XZ_FILTERS = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9}]
 #: headers) is left out, and no ``__pycache__`` travels
 PRUNED = ("ray/jars", "mlflow/server/js")
 #: the default command of call 2 (``$DATA``: the carried data folder)
-COMMAND = ("python tune_driver.py --space smart --budget full --model /tmp/minilm "
-           "--data-dir \"$DATA\" --storage-path /tmp/ray_results --experiment smart-full-graphs")
+#: (tools/gpu_checks.sh: the CUDA tests, bench/trial_reuse.py, then the full-budget smart
+#: search ``python tune_driver.py --space smart --budget full --model /tmp/minilm
+#: --data-dir "$DATA" --storage-path /tmp/ray_results --experiment smart-full-graphs``)
+COMMAND = "bash tools/gpu_checks.sh"
 WEIGHTS = "model.safetensors"
 FP16_WEIGHTS = "model.fp16.safetensors"
 #: the safetensors metadata key naming the tensors cast from fp32 to fp16
