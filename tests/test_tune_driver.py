@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mtbert.tune.choices import DEFAULT_SEARCHER
+from mtbert.tune.summary import duration
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 6
@@ -94,6 +95,23 @@ def test_smoke_search_completes(search):
     assert ens["val"]["val/overall"] >= s["best_trial"]["val"]["val/overall"] - 1e-4
     assert {"val/overall", "val/sst_acc"} <= set(ens["val"]) and "dev/overall" in ens["dev"]
     assert "dev/overall" in s["best_trial"]["dev"]
+
+
+def test_the_summary_says_where_the_wall_time_went(search):
+    """summary.json's phases: Tune's loop between the data and the finish, the parts add
+    up to the whole, every trial entered and reported within the loop; the same line in
+    summary.md and on the console."""
+    p = search["summary"]["phases"]
+    parts = ("data_s", "setup_s", "tune_s", "finish_s")
+    assert all(p[k] >= 0 for k in parts) and p["tune_s"] > 1
+    assert sum(p[k] for k in parts) == pytest.approx(p["total_s"], abs=1e-3)
+    assert p["started_at"] + p["data_s"] <= p["tune_started_at"] < p["tune_ended_at"]
+    for trial in search["summary"]["trials"]:
+        assert p["tune_started_at"] < trial["best"]["time/entered_at"] < p["tune_ended_at"]
+        assert trial["best"]["time/reported_at"] < p["tune_ended_at"]
+    line = f"Tune's loop {duration(p['tune_s'])}"
+    assert line in (search["exp_dir"] / "summary.md").read_text()
+    assert f"[tune] Wall time {duration(p['total_s'])}: data" in search["console"]
 
 
 def test_every_trial_reports_its_running_best(search, mlflow_runs):

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
@@ -31,7 +32,8 @@ from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.tuner import InterruptWatch, build_tuner, told_points, told_summary
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
-from mtbert.tune.summary import NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary
+from mtbert.tune.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary,
+                                 phases_line)
 from mtbert.tune.tracking import SearchTracker
 from mtbert.tune.trainable import train_trial
 
@@ -39,7 +41,9 @@ from mtbert.tune.trainable import train_trial
 def run(settings: SearchSettings) -> int:
     """Run the search; returns the exit code (0, 1: no trial produced a checkpoint, 130:
     interrupted).  Raises ConfigError for what only Ray can tell (its resources)."""
+    phases = {"started_at": time.time()}  # where the command's wall time goes (summary)
     data = load_search_data(settings)
+    phases["data_s"] = time.time() - phases["started_at"]
     settings = settings.resolved_for(sum(data.train_sizes().values()))
     with ray_session(settings.address):
         for line in dashboard_lines():
@@ -51,8 +55,13 @@ def run(settings: SearchSettings) -> int:
         print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
               f"{plan.gpus_per_trial:g} GPU ({plan.rule})", flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
+        phases["tune_started_at"] = time.time()
+        phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
         grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent)
-        return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling)
+        phases["tune_ended_at"] = time.time()
+        phases["tune_s"] = phases["tune_ended_at"] - phases["tune_started_at"]
+        return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling,
+                      phases)
 
 
 def load_search_data(settings: SearchSettings):
@@ -162,8 +171,10 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
 
 
 def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_run: str,
-           interrupted: bool, ended_sampling: bool = False) -> int:
-    """Rank the trials, ensemble the finalists, write the report and summary, log them."""
+           interrupted: bool, ended_sampling: bool = False,
+           phases: dict[str, float] | None = None) -> int:
+    """Rank the trials, ensemble the finalists, write the report and summary, log them.
+    ``phases``: the wall clock of the command so far (see ``SearchSummary.phases``)."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
     budget, location = settings.budget, settings.location
@@ -205,6 +216,11 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         summary.mlflow, ensemble_run_id=tracker.state.get("ensemble_run_id")))
     if location.exp_uri:  # name where the files live for users: the URI, not the staging copy
         summary = summary.with_public_paths(location.public, stored)
+    if phases:
+        now = time.time()
+        summary = dataclasses.replace(summary, phases={
+            **phases, "finish_s": now - phases["tune_ended_at"],
+            "total_s": now - phases["started_at"]})
     trials = known_trials(settings, records, summary, complete)
     for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown()),
                        (TRIALS_FILE, trials_document(settings.experiment, parent_run,
@@ -245,6 +261,8 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
     print(summary.console_table())
     print(f"[tune] summary: {location.public(location.exp_dir / 'summary.json')}  |  "
           f"{location.public(location.exp_dir / 'summary.md')}")
+    if summary.phases:
+        print(f"[tune] {phases_line(summary.phases)}")
     refs = summary.mlflow
     for line in ui_links(settings.mlflow_uri, refs.experiment_id, refs.parent_run_id,
                          refs.runs_view):

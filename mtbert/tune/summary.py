@@ -38,6 +38,23 @@ class Counts:
     not_needed: int = 0
 
 
+def duration(seconds: float) -> str:
+    """``9 min 24 s``, ``31 s``, ``1 h 2 min``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def phases_line(p: dict[str, float]) -> str:
+    """Where the command's wall time went (``SearchSummary.phases``)."""
+    return (f"Wall time {duration(p['total_s'])}: data {duration(p['data_s'])}, Ray and "
+            f"MLflow {duration(p['setup_s'])}, Tune's loop {duration(p['tune_s'])}, "
+            f"finalists, ensemble and report {duration(p['finish_s'])}")
+
+
 def counted(n: int, noun: str) -> str:
     """``n`` and ``noun``, plural but for one: "1 model", "3 models"."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
@@ -168,6 +185,10 @@ class SearchSummary:
     keep_checkpoints: str = "all"
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # trial id -> folder
     extends: ExtensionSummary | None = None
+    # the command's wall clock: started_at, tune_started_at, tune_ended_at (Unix seconds);
+    # data_s (load, tokenise), setup_s (Ray, resources, MLflow parent run), tune_s
+    # (Tune's loop), finish_s (finalists, ensemble, report, to this summary), total_s
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -303,6 +324,8 @@ def _markdown(s: SearchSummary) -> str:
         r = s.resources
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "
                   f"{r['gpus_per_trial']:g} GPU ({r['rule']}).", ""]
+    if s.phases:
+        lines += [phases_line(s.phases) + ".", ""]
     lines += ["| trials | completed | stopped early (ASHA) | errored | not needed |",
              "| --- | --- | --- | --- | --- |",
              f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} | "
