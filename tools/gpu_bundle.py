@@ -455,7 +455,7 @@ fi
 [ -f /tmp/minilm/model.safetensors ] || die "no /tmp/minilm"
 export DATA="$STAGE/data" PYTHONPATH="/tmp/stack:$REPO"
 (cd "$DATA" && sha256sum -c --quiet SHA256SUMS) || die "the data do not match SHA256SUMS"
-nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 5 \
+TZ=UTC nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 5 \
   > "$OUT/gpu_util.csv" 2>&1 &
 SMI=$!
 COMMAND=$(cat <<'EOF'
