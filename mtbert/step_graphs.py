@@ -125,6 +125,7 @@ class GraphStats:
     """What the graphs cost and did (reported by the trainer and the benches)."""
     shapes: set = field(default_factory=set)  # (task, batch shapes) met
     captured: int = 0
+    task_graphs_captured: int = 0  # of ``captured``; the others are optimizer graphs
     kept: int = 0  # task graphs taken from the worker's previous trial
     capture_s: float = 0.0
     eager_steps: int = 0
@@ -195,6 +196,15 @@ class StepGraphs:
         if self.task_graphs:
             self.log(f"[mtbert] step graphs: {len(self.task_graphs)} task graphs kept from "
                      "this worker's previous trial of the same structure")
+
+    def release(self) -> None:
+        """Let go of the trainer and its optimizer graphs (what a kept step does not
+        carry to the next trainer, whose optimizer is new): the trainer, its optimizer
+        state and its host buffers can then be freed.  No step runs after this."""
+        self.t = self.log = None
+        self.optimizer_graphs.clear()
+        self.eager_counts.clear()
+        self.last_batch.clear()
 
     # ------------------------------------------------------------------ a step
     def step(self, batches: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -360,6 +370,7 @@ class StepGraphs:
                 loss, weighted = self._task_loss(task, inputs)
                 weighted.backward()
             self.task_graphs[key] = TaskGraph(graph, inputs, loss, states)
+            self.stats.task_graphs_captured += 1
             what = f"{task} {[tuple(s) for k, s, _ in key[1] if k.startswith('input_ids')]}"
         seconds = time.perf_counter() - started
         self.stats.captured += 1

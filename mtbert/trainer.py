@@ -236,8 +236,10 @@ class Trainer:
 
     def leave_for_reuse(self) -> None:
         """A graphed trainer that ended (budget spent, stopped, diverged) leaves its model
-        and graphs to this process's next trainer (:mod:`mtbert.graph_reuse`)."""
+        and graphs to this process's next trainer (:mod:`mtbert.graph_reuse`); it takes no
+        step after this (its step graphs let go of it, so it can be freed)."""
         if self.step_graphs is not None and self.dropout_rate is not None and self._reusable:
+            self.step_graphs.release()  # this trainer steps no more
             graph_reuse.keep(graph_reuse.KeptStep(
                 graph_reuse.structure(self.cfg), self.model, self.loss_combiner,
                 self.regulariser, self.dropout_rate, self.step_graphs))

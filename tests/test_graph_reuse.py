@@ -10,6 +10,8 @@ tests/test_step_graphs.py (CUDA)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -164,7 +166,11 @@ def test_what_an_ended_trainer_leaves(tiny_config, tmp_path, graphs_on_cpu):
     trainer = Trainer(cfg, data, tmp_path / "stopped", report=stop)
     with pytest.raises(SystemExit):
         trainer.fit()
-    assert graph_reuse.take(graph_reuse.structure(cfg)).model is trainer.model
+    model, ended = trainer.model, weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert ended() is None  # what is kept does not hold the trainer (its optimizer, buffers)
+    assert graph_reuse.take(graph_reuse.structure(cfg)).model is model
 
     diverging = cfg.replace(loss_weighting="fixed", w_qqp=1e39, schedule="sequential",
                             max_examples=100, eval_every=100)
