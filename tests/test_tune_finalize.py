@@ -119,6 +119,33 @@ def test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed(tmp_p
     assert reread.state["ensemble_run_id"] == second
 
 
+def test_a_driver_killed_while_ending_a_trial_resumes_with_its_end(tmp_path):
+    """The tracker records a trial's end in its state file before it writes the MLflow run:
+    a driver killed between the two resumes with the trial ended (so it is not trained
+    again) and writes the run's end then; a frozen trial's run takes no other end."""
+    from mtbert.tune.tracking import SearchTracker
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = SearchTracker(uri, "mtbert/test", tmp_path, fresh=True)
+    tracker.start_parent("search", {"space": "x"}, {})
+    run_id = tracker.child_run("t1", "trial_t1", {"lr": 1e-4})
+
+    def killed(child):
+        raise KeyboardInterrupt  # SIGKILL of the driver, here
+
+    tracker._write_end = killed
+    with pytest.raises(KeyboardInterrupt):
+        tracker.end_trial("t1", "FINISHED", {"status": "completed", "examples_seen": 192})
+    assert tracker.client.get_run(run_id).info.status == "RUNNING"
+    resumed = SearchTracker(uri, "mtbert/test", tmp_path, fresh=True)  # reads the file
+    assert resumed.freeze_ended() == {"t1": {"status": "FINISHED", "error_reason": ""}}
+    run = resumed.client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert (run.data.tags["status"], run.data.tags["examples_seen"]) == ("completed", "192")
+    resumed.end_trial("t1", "FAILED", {"status": "error", "error_reason": "replayed"})
+    run = resumed.client.get_run(run_id)
+    assert (run.info.status, run.data.tags["status"]) == ("FINISHED", "completed")
+
+
 def test_plots_label_every_axis_and_keep_legends_off_the_curves():
     from mtbert.tune.report import (best_so_far_figure, importances_figure,
                                     learning_curves_figure)

@@ -237,12 +237,20 @@ class SearchTracker:
         child = self.state["children"].get(trial_id)
         if not child or self.frozen(trial_id):
             return
-        self.set_tags(child["run_id"], tags)
-        self.client.set_terminated(child["run_id"], status=status)
+        # the state file first: a driver killed between the two writes resumes knowing the
+        # trial ended (it is not trained again) and writes the run's end then (freeze_ended);
+        # the other order let a kill leave a run tagged completed that the resumed search,
+        # not knowing, trained again
         child["status"] = status
+        child["end_tags"] = {k: str(v) for k, v in tags.items()}
         if tags.get("error_reason"):
             child["error_reason"] = str(tags["error_reason"])
         self.save()
+        self._write_end(child)
+
+    def _write_end(self, child: dict[str, Any]) -> None:
+        self.set_tags(child["run_id"], child["end_tags"])
+        self.client.set_terminated(child["run_id"], status=child["status"])
 
     def ended_trials(self) -> dict[str, dict[str, str]]:
         """Trials whose end this tracker recorded: ``{trial_id: {status, error_reason}}``.
@@ -261,6 +269,11 @@ class SearchTracker:
         self.state["ended_before_resume"] = sorted(
             set(self.state.get("ended_before_resume", [])) | set(ended))
         self.save()
+        for trial_id in ended:  # an end recorded here whose run the kill left unwritten
+            child = self.state["children"][trial_id]
+            if ("end_tags" in child
+                    and self.client.get_run(child["run_id"]).info.status != child["status"]):
+                self._write_end(child)
         return ended
 
     def frozen(self, trial_id: str) -> bool:
