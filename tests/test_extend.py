@@ -296,6 +296,45 @@ def test_another_budget_is_a_prior_only(searches, tiny_model_dir):
     assert "as prior only" in out
 
 
+def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path,
+                                                             tiny_model_dir, tiny_data_dir):
+    """``--storage-path file:///...``: the extension reads the earlier search's settings and
+    trials.json from the URI, downloads the weights of the old trials it ensembles, and
+    keeps them at its own URI; trials.json names weights by URI, not by a staging path."""
+    import torch
+
+    from mtbert.trainer import load_checkpoint_model
+    from mtbert.tune.location import is_uri
+    root = tmp_path / "store"
+    common = ["--storage-path", root.as_uri(), "--mlflow-uri",
+              f"sqlite:///{tmp_path / 'm.db'}", "--max-concurrent", "1"]
+    rc, _, err = _main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
+                        "--data-dir", tiny_data_dir, "--num-samples", "2", "--experiment",
+                        "first", "--seed", "0", "--scheduler", "asha", *common])
+    assert rc == 0, err[-3000:]
+    first = json.loads((root / "first" / "trials.json").read_text())
+    kept = {t["trial_id"]: t["weights"] for t in first["trials"] if t["weights"]}
+    assert kept and all(is_uri(w) and w.startswith(root.as_uri()) for w in kept.values())
+    rc, out, err = _main(["--extend", "first", "--num-samples", "1", "--experiment", "second",
+                          "--ensemble-top-k", "3", "--ensemble", "vote", *common])
+    assert rc == 0, err[-3000:]
+    second = json.loads((root / "second" / "summary.json").read_text())
+    assert sorted(t["trial_id"] for t in second["trials"] if t["origin"] == "first") == \
+        sorted(t["trial_id"] for t in first["trials"])
+    old_members = set(kept) & set(second["ensemble"]["members"])
+    assert old_members, second["ensemble"]
+    for tid in old_members:  # downloaded, ensembled and kept at the extension's URI
+        _, a = load_checkpoint_model(root / "first" / "models" / tid)
+        _, b = load_checkpoint_model(root / "second" / "models" / tid)
+        for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert torch.equal(x, y), name
+    grown = json.loads((root / "second" / "trials.json").read_text())
+    assert {t["weights"] for t in grown["trials"] if t["weights"]} <= {
+        (root / "second" / "models" / t).as_uri() for t in kept} | {
+        (root / "second" / "models" / t["trial_id"]).as_uri() for t in grown["trials"]} | set(
+        kept.values())
+
+
 def test_a_resumed_extension_keeps_its_own_settings(searches, tmp_path):
     """``--resume`` of a search started with ``--extend``: its saved settings (here another
     budget than the search it extends) stand, and the earlier trials are read again."""

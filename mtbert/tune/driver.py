@@ -186,6 +186,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     ranking = ranked(records + inherited)
     finalists, left_out = fin.ensemble_candidates(ranking, settings.top_k)
     stored = location.stage_best_checkpoints(records, {r.trial_id for r in finalists})
+    location.stage_earlier_weights(finalists)
     preds = fin.predict_finalists(finalists, data, _finalist_device(settings))
     ensemble = None
     if finalists:
@@ -221,7 +222,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         summary = dataclasses.replace(summary, phases={
             **phases, "finish_s": now - phases["tune_ended_at"],
             "total_s": now - phases["started_at"]})
-    trials = known_trials(settings, records, summary, complete)
+    trials = known_trials(settings, records, summary, complete, stored)
     for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown()),
                        (TRIALS_FILE, trials_document(settings.experiment, parent_run,
                                                      settings.mlflow_uri, complete, trials))):
@@ -235,15 +236,18 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
 
 
 def known_trials(settings: SearchSettings, records, summary: SearchSummary,
-                 complete: bool) -> list[KnownTrial]:
+                 complete: bool, stored: dict[str, str] | None = None) -> list[KnownTrial]:
     """What ``trials.json`` keeps for a later ``--extend``: this search's trials and those
     it inherited, each with where its weights now are -- the exported model
     (``--keep-checkpoints best``), its best checkpoint while training states are kept
-    (``all``, or a search that did not finish), else none."""
+    (``all``, or a search that did not finish; on a URI storage the checkpoint's URI,
+    ``stored``, not its local staging copy), else none."""
     states_kept = settings.keep_checkpoints == "all" or not complete
+    stored = stored or {}
     own = [KnownTrial(r, settings.experiment, settings.measured_on(),
                       summary.models.get(r.trial_id)
-                      or (r.best_checkpoint if states_kept else None)) for r in records]
+                      or (stored.get(r.trial_id, r.best_checkpoint) if states_kept else None))
+           for r in records]
     earlier = settings.extends.known if settings.extends else []
     return own + [dataclasses.replace(t, weights=summary.models.get(t.record.trial_id)
                                       or t.weights) for t in earlier]

@@ -23,6 +23,7 @@ from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.predictions import write_predictions
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import load_checkpoint_model, predict_split
+from mtbert.tune.location import weights_at_hand
 
 SPLITS = ("val", "dev", "test")
 
@@ -135,8 +136,8 @@ def ensemble_candidates(ranking, top_k: int) -> tuple[list, dict[str, str]]:
         if len(candidates) == top_k:
             break
         # this search's checkpoints may be on a URI storage (staged later); an earlier
-        # search's weights are a local folder (settings: --extend needs local storage)
-        if r.best_checkpoint and (not r.origin or Path(r.best_checkpoint).is_dir()):
+        # search's weights are a folder or a URI (staged once chosen)
+        if r.best_checkpoint and (not r.origin or weights_at_hand(r.best_checkpoint)):
             candidates.append(r)
         else:
             left_out[r.trial_id] = (

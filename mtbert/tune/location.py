@@ -172,6 +172,12 @@ def download_checkpoint(uri: str, fs_path: str, dest: Path, with_weights: bool) 
     return dest
 
 
+def weights_at_hand(path: str) -> bool:
+    """Whether a kept model's (or checkpoint's) folder is there: a local folder, or a
+    URI with something at it."""
+    return exists(path) if is_uri(path) else Path(path).is_dir()
+
+
 def uri_of(uri: str, fs_path: str) -> str:
     """The URI of a path on the filesystem of the storage root ``uri``."""
     _, root = filesystem(uri)
@@ -251,6 +257,16 @@ class ExperimentLocation:
         """Copy the local experiment files to the URI (nothing for a local storage)."""
         if self.exp_uri:
             upload_tree(self.exp_dir, self.exp_uri, skip=skip)
+
+    def stage_earlier_weights(self, records) -> None:
+        """Local copies (under ``STAGED_CHECKPOINTS``) of the weights of an earlier
+        search's trials (``--extend``) that a URI names; each record then names its copy."""
+        for r in records:
+            if r.origin and r.best_checkpoint and is_uri(r.best_checkpoint):
+                _, fs_path = filesystem(r.best_checkpoint)
+                r.best_checkpoint = str(download_checkpoint(
+                    r.best_checkpoint, fs_path,
+                    self.exp_dir / STAGED_CHECKPOINTS / r.trial_id, with_weights=True))
 
     def stage_best_checkpoints(self, records, with_model: set[str]) -> dict[str, str]:
         """For a URI storage: local copies of each trial's best checkpoint (metrics, config,

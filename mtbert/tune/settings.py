@@ -278,23 +278,20 @@ def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str 
     by the CLI) taken from it.  ConfigError for a search that is not there, not finished,
     damaged, or of another space."""
     name = args.extend
-    if storage_uri:
-        raise ConfigError(f"--extend {name}: extending works in a local --storage-path "
-                          f"folder (the earlier search's weights are read from it), not "
-                          f"{storage_uri}")
-    where = loc.ExperimentLocation(storage, name)
+    where = loc.ExperimentLocation(storage, name, storage_uri)
+    folder = where.ray_experiment  # the URI copy where there is one
     text = where.read(SETTINGS_FILE)
     if text is None:
-        raise ConfigError(f"--extend {name}: no search in {where.exp_dir} (no {SETTINGS_FILE}); "
+        raise ConfigError(f"--extend {name}: no search in {folder} (no {SETTINGS_FILE}); "
                           f"give the --experiment name of a finished search in --storage-path "
                           f"{args.storage_path}")
-    saved = _parse_saved_settings(text, f"{where.exp_dir}/{SETTINGS_FILE}", f"--extend {name}")
+    saved = _parse_saved_settings(text, f"{folder}/{SETTINGS_FILE}", f"--extend {name}")
     trials_text = where.read(TRIALS_FILE)
     if trials_text is None:
-        raise ConfigError(f"--extend {name}: {where.exp_dir} has no {TRIALS_FILE}, written when "
+        raise ConfigError(f"--extend {name}: {folder} has no {TRIALS_FILE}, written when "
                           "a search finishes: finish it first (--resume --experiment "
                           f"{name}), then extend it")
-    trials = parse_trials(trials_text, f"{where.exp_dir}/{TRIALS_FILE}")
+    trials = parse_trials(trials_text, f"{folder}/{TRIALS_FILE}")
     if not trials.get("complete", False):
         raise ConfigError(f"--extend {name}: the search did not finish (interrupted, or trials "
                           f"never started): finish it with --resume --experiment {name}, "
