@@ -32,14 +32,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from mtbert import graph_reuse
 from mtbert.atomic import atomic_write_json
 from mtbert.config import TrainConfig, coerce_value, read_yaml_file
 from mtbert.cosine_init import fit_qqp_cosine
 from mtbert.data import (ROW_WEIGHTS, MultitaskData, Split, TaskBatcher, collate, encoding_for,
                          eval_batches, eval_rows, eval_token_cap, real_rows)
-from mtbert.errors import ConfigError, DataError, MtbertError, first_line
-from mtbert import graph_reuse
 from mtbert.dropout_rate import hold_dropout_in_tensor
+from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 from mtbert.gradients import build_gradient_combiner
 from mtbert.losses import build_loss_combiner, task_loss
 from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
