@@ -106,6 +106,26 @@ def test_collect_trials_from_ray_results(tmp_path):
     assert collect_trials(results[2:3], MAX, RUNGS)[0].status == TrialStatus.STOPPED_EARLY
 
 
+def test_a_trial_ended_before_a_resume_keeps_its_end_over_rays_replay(tmp_path):
+    """After a driver crash Ray may replay a trial that had completed from a snapshot
+    older than its end and fail to restore a checkpoint deleted since: the record keeps
+    the end the tracker wrote (seen in CI: a completed trial reported as error).  A trial
+    that had failed keeps failing, and one the tracker never saw end keeps Ray's error."""
+    replay = RuntimeError("ValueError: Could not recover from checkpoint as it does not "
+                          "exist on storage anymore")
+    results = [_ray_result(tmp_path, "a", [0.40, 0.52, 0.50], error=replay),  # 144 of 192
+               _ray_result(tmp_path, "f", [0.30], error=RuntimeError("TrialFailed: nan")),
+               _ray_result(tmp_path, "n", [0.35], error=replay)]
+    before = {"a": {"status": "completed", "examples_seen": "192", "stopped_early": "false"},
+              "f": {"status": "error", "examples_seen": "48", "error_reason": "nan"}}
+    by_id = {r.trial_id: r for r in collect_trials(results, MAX, RUNGS, ended={"a", "f", "n"},
+                                                    ended_before=before)}
+    a = by_id["a"]
+    assert (a.status, a.examples_seen, a.error) == (TrialStatus.COMPLETED, 192, "")
+    assert a.best_score == 0.52 and a.best_checkpoint.endswith("checkpoint_000001")
+    assert by_id["f"].status == TrialStatus.ERROR and by_id["n"].status == TrialStatus.ERROR
+
+
 class GoldData:
     """``split(task, name).labels`` of hand-made gold labels (all build_ensemble reads)."""
     GOLD = {"sst": [0, 1, 2, 3], "qqp": [1, 0, 1, 0], "sts": [0.0, 1.0, 2.0, 5.0]}

@@ -178,15 +178,26 @@ def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]
 
 
 def collect_trials(result_grid, max_examples: int, rungs: list[int],
-                   ended: set[str] | None = None) -> list[TrialRecord]:
+                   ended: set[str] | None = None,
+                   ended_before: dict[str, dict[str, str]] | None = None) -> list[TrialRecord]:
     """One :class:`TrialRecord` per trial of a Ray ``ResultGrid`` (or list of ``Result``).
 
     ``ended``: the trials Tune reported as ended (the driver's tracker records each end);
     a trial short of ``max_examples`` that did not end was interrupted (Ctrl-C), not
-    stopped by the scheduler. None: every trial short of the budget counts as stopped."""
+    stopped by the scheduler. None: every trial short of the budget counts as stopped.
+    ``ended_before``: trials that had ended (not failed) before a ``--resume``, with the
+    tags of their end.  Ray may replay such a trial from a snapshot older than its end and
+    fail to restore a checkpoint deleted since ("does not exist on storage anymore"): that
+    error is the replay's, not the trial's, which keeps the end it had."""
     records = []
     for result in result_grid:
         tid = _trial_id_of(result)
+        error = None if result.error is None else str(result.error)
+        last_seen = int((result.metrics or {}).get("examples_seen", 0))
+        before = (ended_before or {}).get(tid)
+        if before is not None and before.get("status") != TrialStatus.ERROR:
+            error = None
+            last_seen = max(last_seen, int(before.get("examples_seen", 0)))
         history: list[dict[str, Any]] = []
         df = result.metrics_dataframe
         if df is not None and len(df) and OBJECTIVE in df.columns:
@@ -195,9 +206,7 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
             history = df[keep].to_dict("records")
         records.append(trial_record(
             tid, Path(result.path).name, result.config or {}, history, _checkpoints(result),
-            int((result.metrics or {}).get("examples_seen", 0)),
-            None if result.error is None else str(result.error), max_examples, rungs,
-            ended=ended is None or tid in ended))
+            last_seen, error, max_examples, rungs, ended=ended is None or tid in ended))
     return records
 
 

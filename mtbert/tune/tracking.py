@@ -276,6 +276,14 @@ class SearchTracker:
                 self._write_end(child)
         return ended
 
+    def ended_before_resume(self) -> dict[str, dict[str, str]]:
+        """``{trial_id: the tags of its end}`` of the trials that had ended before a
+        ``--resume`` (those whose end this tracker wrote)."""
+        children = self.state.get("children", {})
+        return {tid: dict(children[tid]["end_tags"])
+                for tid in self.state.get("ended_before_resume", ())
+                if "end_tags" in children.get(tid, {})}
+
     def frozen(self, trial_id: str) -> bool:
         return trial_id in self.state.get("ended_before_resume", ())
 
