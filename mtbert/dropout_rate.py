@@ -36,13 +36,16 @@ class DropoutRate:
 
 
 class RateDropout(nn.Module):
-    """Inverted dropout at the rate ``rate.p`` (a tensor); identity in eval mode.  ``p``
-    stays the float rate it replaced, for code that reads ``module.p`` as a number."""
+    """Inverted dropout at the rate ``rate.p`` (a tensor); identity in eval mode.  ``p`` is
+    the rate as a number, for code that reads ``module.p`` (it follows :meth:`DropoutRate.fill`)."""
 
-    def __init__(self, rate: DropoutRate, p: float):
+    def __init__(self, rate: DropoutRate):
         super().__init__()
         self.rate = rate
-        self.p = p
+
+    @property
+    def p(self) -> float:
+        return self.rate.value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -73,5 +76,5 @@ def hold_dropout_in_tensor(model: nn.Module, p: float, device: torch.device) -> 
             continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Dropout and child.p == p:
-                setattr(parent, name, RateDropout(rate, p))
+                setattr(parent, name, RateDropout(rate))
     return rate

@@ -95,6 +95,7 @@ def test_rate_dropout_drops_at_its_tensor_rate(tiny_config):
     torch.manual_seed(0)
     for p in (0.3, 0.6, 0.0):
         rate.fill(p)
+        assert module.p == p  # the number follows the tensor
         out = module(x)
         dropped = (out == 0).float().mean().item()
         assert dropped == pytest.approx(p, abs=3e-3)

@@ -239,8 +239,8 @@ class SearchTracker:
             return
         # the state file first: a driver killed between the two writes resumes knowing the
         # trial ended (it is not trained again) and writes the run's end then (freeze_ended);
-        # the other order let a kill leave a run tagged completed that the resumed search,
-        # not knowing, trained again
+        # in the other order such a kill leaves a run tagged ended whose end a resume does
+        # not know
         child["status"] = status
         child["end_tags"] = {k: str(v) for k, v in tags.items()}
         if tags.get("error_reason"):
