@@ -257,14 +257,16 @@ class CheckpointWriter:
         self._finished = threading.Event()
         self._finished.set()
         self._taken = threading.Event()
+        self._thread: threading.Thread | None = None
         self.busy_s = 0.0  # seconds the jobs ran (off the training thread)
 
     def submit(self, job: Callable[[], None]) -> None:
         self.wait()
         self._finished.clear()
         self._taken.clear()
-        threading.Thread(target=self._run, args=(job,), name="mtbert-checkpoint",
-                         daemon=False).start()
+        self._thread = threading.Thread(target=self._run, args=(job,),
+                                        name="mtbert-checkpoint", daemon=False)
+        self._thread.start()
 
     def _run(self, job: Callable[[], None]) -> None:
         started = time.perf_counter()
@@ -284,6 +286,9 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             self._taken.set()
+            # the job's thread ends at once now; joined, it no longer holds the job (and
+            # through it the trainer) once the error is out
+            self._thread.join()
             raise error
 
     def wait(self) -> None:

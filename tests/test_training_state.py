@@ -90,3 +90,31 @@ def test_a_report_that_raises_stops_training_at_the_next_step(tiny_config, tmp_p
     assert len(trainer.history) == 1 and 40 <= trainer.examples_seen < 80 + 3 * cfg.batch_size
     assert (tmp_path / "checkpoint" / "heads.safetensors").is_file()
     assert not list(tmp_path.glob(".checkpoint.*"))  # no half-written folder left
+
+
+def test_a_failed_checkpoint_job_lets_go_of_what_it_held():
+    """Once a job's error is raised on the training thread, the job's thread has ended, so
+    nothing it held (the trainer, through the job) outlives the error's handling."""
+    import gc
+    import threading
+    import weakref
+
+    from mtbert.training_state import CheckpointWriter
+
+    class Held:
+        pass
+
+    held = Held()
+    seen = weakref.ref(held)
+
+    def job(obj=held):
+        raise SystemExit(0)
+
+    writer = CheckpointWriter()
+    writer.submit(job)
+    del held, job
+    with pytest.raises(SystemExit):
+        writer.wait()
+    assert not [t for t in threading.enumerate() if t.name == "mtbert-checkpoint"]
+    gc.collect()
+    assert seen() is None
