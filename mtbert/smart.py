@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -136,44 +137,56 @@ def _batch_device(batch: dict[str, torch.Tensor]) -> torch.device:
 _MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
 
 
-class SmartRegulariser:
-    """``term(model, task, batch, clean_output)`` = λ_task·R_s + μ·D_Breg for one task batch;
-    ``after_step(model)`` updates the EMA teacher; ``state_dict`` holds the teacher."""
+@dataclass(frozen=True)
+class SmartSettings:
+    """SMART's numbers as a run's config gives them."""
+    lambdas: dict[str, float]
+    eps: float
+    noise_std: float
+    steps: int
+    step_size: float
+    mu: float
+    beta: float
 
-    def __init__(self, cfg: TrainConfig, model: nn.Module):
-        self._read(cfg)
-        self.teacher: dict[str, torch.Tensor] | None = None
-        if self.mu > 0:
-            self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
-                            if p.requires_grad}
-        # the values the term multiplies and clamps by: these floats, or after
-        # hold_in_tensors() 0-d device tensors that a captured step reads at each replay
-        self.values: dict[str, float | torch.Tensor] = self._value_floats()
-        self._busy = False
-        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
-        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
-        self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> SmartSettings:
+        return cls(lambdas={t: float(cfg.smart_lambda(t)) for t in TASKS},
+                   eps=float(cfg.smart_eps),
+                   noise_std=math.sqrt(cfg.smart_noise),  # smart_noise is the variance σ²
+                   steps=int(cfg.smart_steps), step_size=float(cfg.smart_step_size),
+                   mu=float(cfg.smart_mu), beta=float(cfg.smart_beta))
 
-    def _read(self, cfg: TrainConfig) -> None:
-        self.lambdas = {t: float(cfg.smart_lambda(t)) for t in TASKS}
-        self.eps = float(cfg.smart_eps)
-        self.noise_std = math.sqrt(cfg.smart_noise)  # smart_noise is the variance σ²
-        self.steps = int(cfg.smart_steps)
-        self.step_size = float(cfg.smart_step_size)
-        self.mu = float(cfg.smart_mu)
-        self.beta = float(cfg.smart_beta)
-
-    def _value_floats(self) -> dict[str, float]:
-        return {**{f"lambda_{t}": lam for t, lam in self.lambdas.items()},
-                "eps": self.eps, "mu": self.mu}
-
-    # -------------------------------------------------------------- tensor values
     def structure(self) -> tuple:
         """What a captured term is built from and a new value cannot change: which terms
         are on (λ_t > 0, μ > 0) and the ascent's settings."""
         return (tuple(sorted((t, lam > 0) for t, lam in self.lambdas.items())), self.mu > 0,
                 self.steps, self.step_size, self.noise_std)
 
+    def values(self) -> dict[str, float]:
+        """The values a captured term reads from tensors: λ_t, ε and μ."""
+        return {**{f"lambda_{t}": lam for t, lam in self.lambdas.items()},
+                "eps": self.eps, "mu": self.mu}
+
+
+class SmartRegulariser:
+    """``term(model, task, batch, clean_output)`` = λ_task·R_s + μ·D_Breg for one task batch;
+    ``after_step(model)`` updates the EMA teacher; ``state_dict`` holds the teacher."""
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module):
+        self.settings = SmartSettings.of(cfg)
+        self.teacher: dict[str, torch.Tensor] | None = None
+        if self.settings.mu > 0:
+            self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
+                            if p.requires_grad}
+        # the values the term multiplies and clamps by: these floats, or after
+        # hold_in_tensors() 0-d device tensors that a captured step reads at each replay
+        self.values: dict[str, float | torch.Tensor] = self.settings.values()
+        self._busy = False
+        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
+        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
+        self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+
+    # -------------------------------------------------------------- tensor values
     def hold_in_tensors(self, device: torch.device) -> None:
         """λ_t, ε and μ from 0-d float32 tensors on ``device`` from now on (the same
         products and clamp as with the floats), so that :meth:`refill` changes what a
@@ -182,17 +195,15 @@ class SmartRegulariser:
                        for k, v in self.values.items()}
 
     def refill(self, cfg: TrainConfig, model: nn.Module) -> None:
-        """Take ``cfg``'s λ_t, ε and μ and start the teacher anew at ``model`` (in place:
+        """Take ``cfg``'s λ_t, ε, μ and β and start the teacher anew at ``model`` (in place:
         a captured step keeps reading the same tensors), for a new run of the same
-        :meth:`structure`; ValueError where the structure differs."""
-        other = SmartRegulariser.__new__(SmartRegulariser)
-        SmartRegulariser._read(other, cfg)
-        if SmartRegulariser.structure(other) != self.structure():
+        :meth:`SmartSettings.structure`; ValueError where the structure differs."""
+        settings = SmartSettings.of(cfg)
+        if settings.structure() != self.settings.structure():
             raise ValueError("the new SMART settings switch a term on or off, or change the "
                              "ascent: a captured step cannot take them")
-        self.lambdas, self.eps, self.mu = other.lambdas, other.eps, other.mu
-        self.beta = other.beta  # read by the teacher's update, outside the task graphs
-        for key, value in self._value_floats().items():
+        self.settings = settings  # β is read by the teacher's update, outside the graphs
+        for key, value in settings.values().items():
             if isinstance(self.values[key], torch.Tensor):
                 self.values[key].fill_(value)
             else:
@@ -237,23 +248,23 @@ class SmartRegulariser:
         params = dict(model.named_parameters())
         names = list(self.teacher)
         teacher = [self.teacher[n] for n in names]
-        torch._foreach_mul_(teacher, self.beta)
-        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - self.beta)
+        torch._foreach_mul_(teacher, self.settings.beta)
+        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - self.settings.beta)
 
     # -------------------------------------------------------------- the term
     def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
              clean: TaskOutput) -> torch.Tensor:
         """λ_task · R_s(θ) + μ · D_Breg(θ, θ̃) for this batch (eqs. 2 and 5 of report 004)."""
         ref = smart_output(task, clean)
-        lam = self.lambdas[task]
+        lam, mu = self.settings.lambdas[task], self.settings.mu
         total = ref.new_zeros((), dtype=torch.float32)
-        if lam == 0 and self.mu == 0:
+        if lam == 0 and mu == 0:
             return total
         rng = self._replay_state(task, batch)
         if lam > 0:
             total = total + self.values[f"lambda_{task}"] * self.smoothness(model, task, batch,
                                                                            clean, rng)
-        if self.mu > 0:
+        if mu > 0:
             total = total + self.values["mu"] * self.bregman(model, task, batch, clean, rng)
         return total
 
@@ -278,7 +289,7 @@ class SmartRegulariser:
 
     def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
         """ν ~ N(0, σ² I) shaped like the embeddings ``x``, from torch's global RNG."""
-        return torch.randn_like(x) * self.noise_std
+        return torch.randn_like(x) * self.settings.noise_std
 
     def perturbation(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
                      clean: TaskOutput, rng=None) -> tuple[dict, dict]:
@@ -288,7 +299,7 @@ class SmartRegulariser:
         delta = {k: self.initial_noise(x[k]) * masks[k] for k in x}  # real tokens only
         target = smart_output(task, clean).detach()
         weights = batch.get(ROW_WEIGHTS)
-        for _ in range(self.steps):
+        for _ in range(self.settings.steps):
             delta = {k: d.requires_grad_(True) for k, d in delta.items()}
             out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
             div = divergence(task, smart_output(task, out), target, weights)
@@ -301,7 +312,7 @@ class SmartRegulariser:
             norm = norm.view(-1, 1, 1) + _TINY
             # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
             eps = self.values["eps"]
-            delta = {k: (torch.clamp(delta[k].detach() + self.step_size * grads[k] / norm,
+            delta = {k: (torch.clamp(delta[k].detach() + self.settings.step_size * grads[k] / norm,
                                      -eps, eps) * masks[k]) for k in keys}
         return x, delta
 

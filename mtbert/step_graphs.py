@@ -394,9 +394,10 @@ class StepGraphs:
     def _replays(self, task: str) -> int:
         """Forwards of one SMART term that replay the clean forward's dropout masks."""
         r = self.t.regulariser
-        if r is None or (r.lambdas[task] == 0 and r.mu == 0):
+        if r is None:
             return 0
-        return (r.steps + 1 if r.lambdas[task] > 0 else 0) + (1 if r.mu > 0 else 0)
+        s = r.settings
+        return (s.steps + 1 if s.lambdas[task] > 0 else 0) + (1 if s.mu > 0 else 0)
 
 
 def graphs_wanted(cfg, device: torch.device) -> bool:
