@@ -147,8 +147,8 @@ def upload_tree(local_dir: Path, uri: str, skip: tuple[str, ...] = ()) -> None:
                               destination_filesystem=fs)
 
 
-def download_checkpoint(uri: str, fs_path: str, dest: Path, with_weights: bool) -> Path:
-    """Copy one checkpoint folder (``fs_path`` on the storage filesystem) to ``dest``.
+def download_checkpoint(fs, fs_path: str, dest: Path, with_weights: bool) -> Path:
+    """Copy one checkpoint folder (``fs_path`` on the pyarrow filesystem ``fs``) to ``dest``.
 
     The optimizer state (``state.pt``) is skipped, and without ``with_weights`` the weight
     files too: metrics, config and validation predictions are enough for the MLflow
@@ -156,7 +156,6 @@ def download_checkpoint(uri: str, fs_path: str, dest: Path, with_weights: bool) 
     import pyarrow.fs
 
     from mtbert.training_state import STATE_FILE, WEIGHT_FILES  # deferred: torch
-    fs, _ = filesystem(uri)
     local_fs = pyarrow.fs.LocalFileSystem()
     dest.mkdir(parents=True, exist_ok=True)
     for info in fs.get_file_info(pyarrow.fs.FileSelector(fs_path, recursive=True)):
@@ -263,9 +262,9 @@ class ExperimentLocation:
         search's trials (``--extend``) that a URI names; each record then names its copy."""
         for r in records:
             if r.origin and r.best_checkpoint and is_uri(r.best_checkpoint):
-                _, fs_path = filesystem(r.best_checkpoint)
+                fs, fs_path = filesystem(r.best_checkpoint)
                 r.best_checkpoint = str(download_checkpoint(
-                    r.best_checkpoint, fs_path,
+                    fs, fs_path,
                     self.exp_dir / STAGED_CHECKPOINTS / r.trial_id, with_weights=True))
 
     def stage_best_checkpoints(self, records, with_model: set[str]) -> dict[str, str]:
@@ -276,11 +275,12 @@ class ExperimentLocation:
         stored: dict[str, str] = {}
         if not self.storage_uri:
             return stored
+        fs, _ = filesystem(self.storage_uri)
         for r in records:
             if r.best_checkpoint:
                 stored[r.trial_id] = uri_of(self.storage_uri, r.best_checkpoint)
                 r.best_checkpoint = str(download_checkpoint(
-                    self.storage_uri, r.best_checkpoint,
+                    fs, r.best_checkpoint,
                     self.exp_dir / STAGED_CHECKPOINTS / r.trial_id,
                     with_weights=r.trial_id in with_model))
         return stored
