@@ -21,7 +21,7 @@ adds ``/.gpu/`` to ``.git/info/exclude`` when missing), each under 60 MiB:
     ``to_fp32.py`` restores fp32 weights into a folder), the CSV files of
     ``../shared/data`` (``data/``) and stack parts that did not fit call 1; its
     ``run_on_device.sh`` restores ``/tmp/minilm`` and runs the command (default: the
-    CUDA tests, ``bench/trial_reuse.py`` and the full-budget ``smart`` search of
+    full-budget ``smart`` search, then the CUDA tests and the benches of
     docs/bench/step_graphs.md: ``tools/gpu_checks.sh``) with
     ``PYTHONPATH=/tmp/stack:REPO`` (``.`` made absolute: Ray's workers run in their trial
     folders) and ``nvidia-smi`` logging beside it, then copies the
@@ -95,9 +95,9 @@ XZ_FILTERS = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9}]
 #: headers) is left out, and no ``__pycache__`` travels
 PRUNED = ("ray/jars", "mlflow/server/js")
 #: the default command of call 2 (``$DATA``: the carried data folder)
-#: (tools/gpu_checks.sh: the CUDA tests, bench/trial_reuse.py, then the full-budget smart
-#: search ``python tune_driver.py --space smart --budget full --model /tmp/minilm
-#: --data-dir "$DATA" --storage-path /tmp/ray_results --experiment smart-full-graphs``)
+#: (tools/gpu_checks.sh: the full-budget smart search ``python tune_driver.py --space smart
+#: --budget full --model /tmp/minilm --data-dir "$DATA" --storage-path /tmp/ray_results
+#: --experiment smart-full-graphs``, then the CUDA tests and the benches)
 COMMAND = "bash tools/gpu_checks.sh"
 WEIGHTS = "model.safetensors"
 FP16_WEIGHTS = "model.fp16.safetensors"
