@@ -34,13 +34,15 @@ import torch
 
 from mtbert import graph_reuse
 from mtbert.atomic import atomic_write_json
-from mtbert.config import TrainConfig, coerce_value, read_yaml_file
+from mtbert.config import TrainConfig
 from mtbert.cosine_init import fit_qqp_cosine
-from mtbert.data import (ROW_WEIGHTS, MultitaskData, Split, TaskBatcher, collate, encoding_for,
-                         eval_batches, eval_rows, eval_token_cap, real_rows)
+from mtbert.data import (ROW_WEIGHTS, MultitaskData, TaskBatcher, collate, encoding_for,
+                         eval_rows, eval_token_cap, real_rows)
+from mtbert.devices import check_compile_mode, compile_model, resolve_device, to_device
 from mtbert.dropout_rate import hold_dropout_in_tensor
-from mtbert.errors import ConfigError, DataError, MtbertError, first_line
+from mtbert.errors import ConfigError, DataError, first_line
 from mtbert.gradients import build_gradient_combiner
+from mtbert.inference import as_label, predict_split
 from mtbert.losses import build_loss_combiner, task_loss
 from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
@@ -50,11 +52,11 @@ from mtbert.pretrain import run_pretraining
 from mtbert.task_schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.step_graphs import StepGraphs, eager_reason, graphs_wanted
-from mtbert.tasks import TASK_NAMES, TASKS
+from mtbert.tasks import TASK_NAMES
 from mtbert.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, CheckpointWriter,
                                    HostCopy, encoder_config_json, folder_bytes,
-                                   read_training_state, read_weights, write_checkpoint_folder,
-                                   write_weights)
+                                   read_training_state, read_weights, state_mismatch,
+                                   write_checkpoint_folder, write_weights)
 
 ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
 CHECKPOINT_FILE = STATE_FILE  # the training state beside the weights (training_state)
@@ -62,62 +64,6 @@ CHECKPOINT_FILE = STATE_FILE  # the training state beside the weights (training_
 
 class NonFiniteLossError(RuntimeError):
     """A task loss became NaN or Inf: the run cannot go on."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA GPU is available", key="device")
-    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available()
-                          else "cpu" if name == "auto" else name)
-    if device.type == "cuda":
-        prefer_stable_attention_kernels()
-    return device
-
-
-def prefer_stable_attention_kernels() -> None:
-    """Keep cuDNN's scaled-dot-product attention out of the SDPA dispatch.
-
-    cuDNN builds a new execution plan for every new (batch, padded length) shape; measured
-    on an H100 with MiniLM at batch 32 (2026-11-25), disabling it took the optimizer step
-    from 92.6 to 35.0 ms and validation from 427 to 6,843 rows/s. SDPA then uses the
-    flash / memory-efficient kernels, which need no per-shape plan. Process-wide."""
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def check_compile_mode(mode: str, device: torch.device) -> None:
-    """ConfigError (key ``compile``) when ``device`` cannot run ``compile=mode``."""
-    if mode == "none":
-        return
-    if mode == "reduce-overhead" and device.type != "cuda":
-        raise ConfigError(f"compile=reduce-overhead records CUDA graphs and needs a CUDA device; "
-                          f"the device is {device.type} (use compile=default or none)", key="compile")
-    if not torch._dynamo.is_dynamo_supported():
-        raise ConfigError(f"compile={mode}: torch.compile does not support this Python "
-                          f"({sys.version.split()[0]}); use compile=none", key="compile")
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-        if not has_triton():
-            raise ConfigError(f"compile={mode} on CUDA needs triton (not installed); use "
-                              "compile=none", key="compile")
-    else:
-        from torch._inductor import cpp_builder
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception:  # inductor's CPU kernels are C++: no compiler, no compile
-            raise ConfigError(f"compile={mode} on the CPU needs a C++ compiler (g++ or clang++) "
-                              "on PATH; use compile=none", key="compile") from None
-
-
-def compile_model(model: torch.nn.Module, mode: str) -> None:
-    """``torch.compile`` the model in place (``nn.Module.compile``: its state_dict keys stay
-    the same). Static shapes: one graph per (task, batch shape, train/eval, SMART inputs),
-    which ``pad_lengths=buckets`` keeps to a few dozen."""
-    if mode == "none":
-        return
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 1024)
-    model.compile(mode=mode, dynamic=False)
 
 
 def step_shapes(cfg: TrainConfig, device: torch.device, max_length: int) -> tuple[int, bool]:
@@ -699,101 +645,3 @@ class Trainer:
                 raise DataError(f"{history_file}: expected a JSON list of evaluations, got "
                                 f"{type(history).__name__}", path=str(history_file))
             self.history = history
-
-
-#: settings that never change the shape of the saved state (a resume may change them)
-RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
-                "eval_dev", "device", "threads", "progress")
-
-
-def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str, exc: BaseException,
-                   state_file: Path | None = None) -> MtbertError:
-    """The error for a checkpoint whose ``part`` state (in ``state_file``, default its
-    ``state.pt``) does not fit the run built from ``cfg``: the settings that differ from
-    the checkpoint's ``config.yaml``, if any."""
-    state_file = state_file or checkpoint_dir / CHECKPOINT_FILE
-    saved_file = checkpoint_dir / "config.yaml"
-    try:
-        saved = read_yaml_file(saved_file, "checkpoint config")
-    except ConfigError:
-        saved = None
-    current = cfg.to_dict()
-    differ = []
-    for key, value in (saved.items() if isinstance(saved, dict) else ()):
-        if key in current:
-            try:
-                value = coerce_value(key, value)
-            except ConfigError:
-                pass
-            if value != current[key]:
-                differ.append((key, value))
-    shaping = [d for d in differ if d[0] not in RUN_SETTINGS] or differ
-    reason = f"the {part} state does not fit: {first_line(exc)}"
-    if not shaping:
-        return DataError(f"{state_file}: {reason}; {STATE_EXPECTED} with this config",
-                         path=str(state_file))
-    listed = ", ".join(f"{key}={value!r} there, {current[key]!r} now" for key, value in shaping)
-    return ConfigError(f"{state_file}: written under a different config: {listed} (see "
-                       f"{saved_file}); resume with the checkpoint's settings ({reason})",
-                       key=shaping[0][0])
-
-
-# ---------------------------------------------------------------------- inference
-def as_label(task: str, pred: np.ndarray) -> np.ndarray:
-    """Model output -> the metric's label space (QQP probability -> 0/1)."""
-    return (pred >= 0.5).astype(np.int64) if task == "qqp" else pred
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A host batch on ``device``; to CUDA from pinned memory without blocking the host
-    (the copy queues behind the GPU's work like a kernel)."""
-    if device.type != "cuda":
-        return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-
-
-@torch.no_grad()
-def predict_split(model: MultitaskModel, split: Split, encoding: str, pad_id: int,
-                  batch_size: int, device: torch.device, autocast: bool = False,
-                  static_max_length: int = 0, sst_probabilities: bool = False,
-                  max_tokens: int = 0) -> np.ndarray:
-    """Predictions for every row of ``split`` in row order (SST class -- or, with
-    ``sst_probabilities``, its 5 class probabilities, rows x 5 --, QQP probability, STS
-    score). Batches of ``batch_size`` rows (and ``max_tokens`` padded tokens, if not 0) in
-    length order (padded to static lengths with ``static_max_length``); predictions stay
-    on the device until one copy per split, and the pass is one autocast region (entering
-    one per batch costs host time a GPU waits for). ``batch_size`` 0: :func:`eval_rows`."""
-    model.eval()
-    orders, preds = [], []
-    batch_size = eval_rows(batch_size, device.type)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        for indices in eval_batches(split, batch_size, encoding, max_tokens):
-            batch = collate(split, indices, encoding, pad_id, static_max_length)
-            batch.pop("labels", None)
-            preds.append(model.predict(split.task, to_device(batch, device),
-                                       sst_probabilities=sst_probabilities).float())
-            orders.append(indices)
-    probabilities = sst_probabilities and split.task == "sst"
-    out = np.zeros((len(split), 5) if probabilities else len(split), dtype=np.float64)
-    if preds:
-        out[np.concatenate(orders)] = torch.cat(preds).cpu().numpy()
-    if probabilities:
-        return out
-    return out.astype(np.int64) if TASKS[split.task].label_kind == "class" else out
-
-
-def load_checkpoint_model(checkpoint_dir: str | Path, device: str = "cpu",
-                          ) -> tuple[TrainConfig, MultitaskModel]:
-    """The config and model weights of a checkpoint folder (for the ensemble)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if torch.device(device).type == "cuda":
-        prefer_stable_attention_kernels()
-    cfg = TrainConfig.from_yaml(checkpoint_dir / "config.yaml")
-    model = MultitaskModel.from_config(cfg)
-    weights = read_weights(checkpoint_dir, device)  # the weight files only, not state.pt
-    try:
-        model.load_state_dict(model.complete_legacy_state(weights))
-    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        raise state_mismatch(checkpoint_dir, cfg, "model", exc,
-                             checkpoint_dir / HEADS_FILE) from None
-    return cfg, model.to(device).eval()

@@ -20,7 +20,8 @@ whole trajectory, so it is kept.
 :class:`HostCopy` snapshots the tensors into host buffers reused from one checkpoint to
 the next (pinned, copied without blocking on CUDA); :class:`CheckpointWriter` runs the
 write (and the report that hands the checkpoint on) on a background thread while
-training goes on, one at a time, in order.
+training goes on, one at a time, in order.  :func:`state_mismatch` is the error for a
+checkpoint whose state does not fit the run built from a config.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from mtbert.errors import DataError, first_line
+from mtbert.config import TrainConfig, coerce_value, read_yaml_file
+from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 
 STATE_FILE = "state.pt"
 #: the weights layout, shared with an exported model (model_files.py): the encoder as a
@@ -301,3 +303,40 @@ class CheckpointWriter:
         self._finished.wait()
         self._error = None
         self._taken.set()
+
+
+#: settings that never change the shape of the saved state (a resume may change them)
+RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
+                "eval_dev", "device", "threads", "progress")
+
+
+def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str, exc: BaseException,
+                   state_file: Path | None = None) -> MtbertError:
+    """The error for a checkpoint whose ``part`` state (in ``state_file``, default its
+    ``state.pt``) does not fit the run built from ``cfg``: the settings that differ from
+    the checkpoint's ``config.yaml``, if any."""
+    state_file = state_file or checkpoint_dir / STATE_FILE
+    saved_file = checkpoint_dir / "config.yaml"
+    try:
+        saved = read_yaml_file(saved_file, "checkpoint config")
+    except ConfigError:
+        saved = None
+    current = cfg.to_dict()
+    differ = []
+    for key, value in (saved.items() if isinstance(saved, dict) else ()):
+        if key in current:
+            try:
+                value = coerce_value(key, value)
+            except ConfigError:
+                pass
+            if value != current[key]:
+                differ.append((key, value))
+    shaping = [d for d in differ if d[0] not in RUN_SETTINGS] or differ
+    reason = f"the {part} state does not fit: {first_line(exc)}"
+    if not shaping:
+        return DataError(f"{state_file}: {reason}; {STATE_EXPECTED} with this config",
+                         path=str(state_file))
+    listed = ", ".join(f"{key}={value!r} there, {current[key]!r} now" for key, value in shaping)
+    return ConfigError(f"{state_file}: written under a different config: {listed} (see "
+                       f"{saved_file}); resume with the checkpoint's settings ({reason})",
+                       key=shaping[0][0])

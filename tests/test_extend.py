@@ -230,7 +230,7 @@ def test_no_old_trial_trains_again(searches):
 def test_the_ensemble_takes_an_old_trials_kept_weights(searches):
     import torch
 
-    from mtbert.trainer import load_checkpoint_model
+    from mtbert.inference import load_checkpoint_model
     first, second = searches["first"]["summary"], searches["second"]["summary"]
     kept = set(first["models"])                       # the first search's best and members
     ens = second["ensemble"]
@@ -303,7 +303,7 @@ def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path
     keeps them at its own URI; trials.json names weights by URI, not by a staging path."""
     import torch
 
-    from mtbert.trainer import load_checkpoint_model
+    from mtbert.inference import load_checkpoint_model
     from mtbert.tune.location import is_uri
     root = tmp_path / "store"
     common = ["--storage-path", root.as_uri(), "--mlflow-uri",

@@ -12,7 +12,8 @@ import torch
 
 from mtbert.data import STATIC_LENGTHS, collate, load_data, static_length
 from mtbert.errors import ConfigError
-from mtbert.trainer import NonFiniteLossError, Trainer, predict_split
+from mtbert.inference import predict_split
+from mtbert.trainer import NonFiniteLossError, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

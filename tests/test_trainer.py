@@ -13,7 +13,8 @@ import pytest
 
 from mtbert.data import load_data
 from mtbert.metrics import overall_score, pearson
-from mtbert.trainer import Trainer, load_checkpoint_model
+from mtbert.inference import load_checkpoint_model
+from mtbert.trainer import Trainer
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 

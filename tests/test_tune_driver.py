@@ -160,7 +160,7 @@ def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(sear
     from mtbert.config import TrainConfig
     from mtbert.data import encoding_for, load_data
     from mtbert.model_files import load_model
-    from mtbert.trainer import predict_split
+    from mtbert.inference import predict_split
     s, exp_dir = search["summary"], search["exp_dir"]
     assert s["keep_checkpoints"] == "best"
     kept = {s["best_trial"]["trial_id"], *s["ensemble"]["members"]}

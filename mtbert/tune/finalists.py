@@ -3,7 +3,7 @@
 Selection uses only the validation split carved from train; dev metrics are computed
 for the finalists (the ensemble's candidates, which include the best trial) and
 reported, never used to select.  Each finalist's *best* checkpoint (by validation
-overall) is loaded with :func:`~mtbert.trainer.load_checkpoint_model` and predicts the
+overall) is loaded with :func:`~mtbert.inference.load_checkpoint_model` and predicts the
 val, dev and test splits of the data the driver already loaded; :mod:`mtbert.ensemble`
 combines them (``vote``: SST/QQP by mode with ties to the best member, STS by median;
 ``greedy``: Caruana forward selection with replacement on val, per task).
@@ -22,7 +22,7 @@ from mtbert.ensemble import combine, greedy_task_selection, task_labels
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.predictions import write_predictions
 from mtbert.tasks import TASK_NAMES
-from mtbert.trainer import load_checkpoint_model, predict_split
+from mtbert.inference import load_checkpoint_model, predict_split
 from mtbert.tune.location import weights_at_hand
 
 SPLITS = ("val", "dev", "test")

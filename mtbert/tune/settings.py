@@ -368,7 +368,7 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
         return
     import torch
 
-    from mtbert.trainer import check_compile_mode  # deferred: torch
+    from mtbert.devices import check_compile_mode  # deferred: torch
     modes = set(param.choices) if param.searched else {param.value}
     cuda = gpus_per_trial != 0 and torch.cuda.is_available()
     for mode in sorted(modes):
