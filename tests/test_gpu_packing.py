@@ -103,6 +103,9 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
     assert resources["gpus_per_trial"] == 0.1428 and resources["trials_at_once"] == 2
     assert resources["rule"].startswith("auto: 7 trials per GPU (16 GiB")
     assert "2 trials at once, each 1 CPU and 0.1428 GPU (auto: 7 trials per GPU" in out.stdout
+    # on a cluster, each GPU node runs its own MPS daemon (cluster/README.md)
+    assert resources["mps"].startswith("off: the trials run on a Ray cluster's nodes")
+    assert f"CUDA MPS {resources['mps']}" in out.stdout
     # what Ray gave each trial
     analysis = ExperimentAnalysis(str(exp_dir))
     assert len(analysis.trials) == 2
@@ -112,6 +115,7 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
     assert parent.data.params["gpus_per_trial"] == "0.1428"
     assert parent.data.params["gpus_rule"].startswith("auto: 7 trials per GPU")
+    assert parent.data.params["cuda_mps"] == resources["mps"]
     assert not (tmp_path / "ray_results" / "too-many").exists()
     # --keep-checkpoints all: today's contents -- every trial's training states, no export
     # (Ray keeps each trial's 2 best checkpoints and its latest: 2 or 3 of the 4 its

@@ -34,6 +34,7 @@ LAYERS = [
     ("tune: choices", ["mtbert.tune.schedulers", "mtbert.tune.searchers",
                        "mtbert.tune.choices"]),
     ("tune: setup", ["mtbert.tune.spaces", "mtbert.tune.location", "mtbert.tune.cluster",
+                     "mtbert.tune.mps",
                      "mtbert.tune.tracking", "mtbert.tune.settings"]),
     ("tune: run", ["mtbert.tune.tuner", "mtbert.tune.trainable"]),
     ("tune: results", ["mtbert.tune.callback", "mtbert.tune.finalists", "mtbert.tune.report",

@@ -18,6 +18,7 @@ from mtbert.tune.budgets import BUDGETS
 from mtbert.tune.cluster import quiet_environment
 from mtbert.tune.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEEP_CHOICES, SCHEDULERS,
                                  SEARCHERS)
+from mtbert.tune.mps import CHOICES as MPS_CHOICES
 from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
 from mtbert.tune.settings import resolve_settings, resume_command
 from mtbert.tune.spaces import list_spaces
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per trial, fractions allowed; default: where the Ray cluster "
                         "has GPUs, several trials share each (the share from the model's "
                         "size and the GPU's memory, printed); 0 forces the CPUs")
+    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
+                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
+                        "own daemon where it helps; on: or fails; off (docs/search.md)")
     p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
                    help=searcher_help())
     p.add_argument("--scheduler", default=None, choices=list(SCHEDULERS),

@@ -44,16 +44,20 @@ def start_local_ray(dashboard: bool = True, **kwargs):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None) -> Iterator[None]:
+def ray_session(address: str | None, worker_env: dict[str, str] | None = None
+                ) -> Iterator[None]:
     """Ray for the search: the session already open in this process, the cluster at
-    ``address``, or a new local one -- shut down at the end if this call started it."""
+    ``address``, or a new local one -- shut down at the end if this call started it.
+    ``worker_env``: environment variables of the job's workers (Ray's ``runtime_env``), for
+    a session this call starts."""
     import ray
     started = not ray.is_initialized()
     if started:
+        job = {"runtime_env": {"env_vars": dict(worker_env)}} if worker_env else {}
         if address:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, **job)
         else:
-            start_local_ray()
+            start_local_ray(**job)
     try:
         yield
     finally:
@@ -122,6 +126,7 @@ class ResourcePlan:
     gpus_per_trial: float
     trials_at_once: int
     rule: str
+    mps: str = ""   # CUDA MPS for the trials sharing a GPU (mps.MpsUse.note)
 
 
 def trials_per_gpu(gpu_memory_bytes: float, model_parameters: int) -> int:

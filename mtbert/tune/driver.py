@@ -27,6 +27,7 @@ from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
                                         ui_links)
+from mtbert.tune.mps import cuda_mps
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
@@ -45,15 +46,17 @@ def run(settings: SearchSettings) -> int:
     data = load_search_data(settings)
     phases["data_s"] = time.time() - phases["started_at"]
     settings = settings.resolved_for(sum(data.train_sizes().values()))
-    with ray_session(settings.address):
+    # MPS outside Ray: its daemon stops only once Ray's workers, its clients, are gone
+    with cuda_mps(settings.mps, settings.address, settings.gpus_per_trial,
+                  _local_gpu(settings)) as mps, ray_session(settings.address, mps.worker_env):
         for line in dashboard_lines():
             print(f"[tune] {line}", flush=True)
         plan = plan_resources(settings.cpus_per_trial, settings.gpus_per_trial,
                               settings.max_concurrent, settings.address, settings.base["model"])
-        settings = settings.with_resources(plan)
+        settings = settings.with_resources(dataclasses.replace(plan, mps=mps.note))
         max_concurrent = plan.trials_at_once
         print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
-              f"{plan.gpus_per_trial:g} GPU ({plan.rule})", flush=True)
+              f"{plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}", flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
         phases["tune_started_at"] = time.time()
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
@@ -139,6 +142,7 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
               "data_dir": s.base["data_dir"], "ensemble": s.ensemble,
               "ensemble_top_k": s.top_k, "max_failures": s.max_failures,
               "gpus_rule": s.resources.rule if s.resources else "",
+              "cuda_mps": s.resources.mps if s.resources else "",
               "address": s.address or "local", "objective": OBJECTIVE,
               "storage": s.location.ray_storage, "extends": s.extend or ""}
     params.update({f"budget.{k}": v for k, v in budget.to_dict().items() if k != "name"})
@@ -252,6 +256,14 @@ def known_trials(settings: SearchSettings, records, summary: SearchSummary,
     earlier = settings.extends.known if settings.extends else []
     return own + [dataclasses.replace(t, weights=summary.models.get(t.record.trial_id)
                                       or t.weights) for t in earlier]
+
+
+def _local_gpu(settings: SearchSettings) -> bool:
+    """Whether trials started on this machine would find a CUDA GPU here."""
+    if settings.address or settings.mps == "off":
+        return False
+    import torch
+    return torch.cuda.is_available()
 
 
 def _finalist_device(settings: SearchSettings) -> str:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
 from mtbert.pretrained import check_model
 from mtbert.tune import location as loc
+from mtbert.tune import mps
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan, check_ray_address
 from mtbert.tune.extension import (TRIALS_FILE, EarlierSearch, earlier_search, measured_on,
@@ -40,7 +42,7 @@ from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_trac
 SETTINGS_FILE = "mtbert_search.json"
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 #: CLI values a resumed search takes from the new command line, not from its saved settings
-_RESUME_OWN = ("resume", "address", "mlflow_fallback_local")
+_RESUME_OWN = ("resume", "address", "mlflow_fallback_local", "mps")
 #: CLI values a search started with ``--extend`` takes from the earlier search unless given
 #: (the space is checked equal when given; another budget, model or data makes the earlier
 #: trials prior information only: extension.py)
@@ -75,6 +77,7 @@ class SearchSettings:
     max_failures: int
     address: str | None
     mlflow_fallback_local: bool
+    mps: str = "auto"                # --mps: auto | on | off (mps.py)
     resources: ResourcePlan | None = None   # set once Ray is up
     extend: str | None = None        # --extend: the earlier search's experiment name
     extend_trials: dict[str, Any] | None = None   # its parsed trials.json
@@ -120,7 +123,7 @@ class SearchSettings:
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
                 "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
-                "resume": self.resume, "extend": self.extend}
+                "mps": self.mps, "resume": self.resume, "extend": self.extend}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
@@ -207,7 +210,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         max_concurrent=args.max_concurrent, ensemble=args.ensemble,
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
-        mlflow_fallback_local=bool(args.mlflow_fallback_local),
+        mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
         extend=getattr(args, "extend", None), extend_trials=extended[1] if extended else None)
 
 
@@ -336,6 +339,10 @@ def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: no CUDA GPU on this "
                               "machine (use --address to run on a cluster with GPUs)")
+    if getattr(args, "mps", "auto") == "on" and not os.environ.get(mps.PIPE_ENV):
+        import torch
+        mps.mps_reason_off("on", args.address, gpus, not args.address
+                           and torch.cuda.is_available(), shutil.which(mps.CONTROL))
     if args.seed < 0:
         raise ConfigError(f"--seed {args.seed}: must be >= 0")
     if args.max_failures < 0:

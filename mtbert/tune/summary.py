@@ -323,7 +323,8 @@ def _markdown(s: SearchSummary) -> str:
     if s.resources:
         r = s.resources
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "
-                  f"{r['gpus_per_trial']:g} GPU ({r['rule']}).", ""]
+                  f"{r['gpus_per_trial']:g} GPU ({r['rule']}); CUDA MPS "
+                  f"{r.get('mps') or 'not recorded'}.", ""]
     if s.phases:
         lines += [phases_line(s.phases) + ".", ""]
     lines += ["| trials | completed | stopped early (ASHA) | errored | not needed |",
