@@ -70,6 +70,14 @@ sys.exit({exit_status})
     return log
 
 
+@pytest.fixture(autouse=True)
+def client_stand_in(monkeypatch):
+    """The CUDA client run once under a new daemon: here a process that only checks that it
+    was told the daemon's pipe folder."""
+    monkeypatch.setattr(mps, "PROBE", [sys.executable, "-c", (
+        f"import os, sys; sys.exit(0 if os.path.isdir(os.environ['{mps.PIPE_ENV}']) else 3)")])
+
+
 def _calls(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -109,12 +117,30 @@ def test_a_daemon_that_does_not_start(tmp_path, monkeypatch):
     monkeypatch.delenv(mps.PIPE_ENV, raising=False)
     with mps.cuda_mps("auto", None, None, have_gpu=True) as use:
         assert use.worker_env == {}
-    assert use.note == "off: nvidia-cuda-mps-control -d failed (cannot start the MPS daemon)"
+    assert use.note == "off: nvidia-cuda-mps-control -d failed: cannot start the MPS daemon"
     with pytest.raises(ConfigError, match=r"--mps on: nvidia-cuda-mps-control -d failed: "
                                           r"cannot start the MPS daemon"):
         with mps.cuda_mps("on", None, None, have_gpu=True):
             pass
     assert [c["args"] for c in _calls(log)] == [["-d"], ["-d"]]  # nothing to stop
+
+
+def test_a_daemon_that_cannot_serve_is_stopped_before_the_trials(tmp_path, monkeypatch):
+    log = _stand_in(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.setattr(mps, "PROBE", [sys.executable, "-c", (
+        "import sys; print('RuntimeError: CUDA error: all CUDA-capable devices are busy or "
+        "unavailable', file=sys.stderr); sys.exit(1)")])
+    with mps.cuda_mps("auto", None, None, have_gpu=True) as use:
+        assert use.worker_env == {}
+    assert use.note == ("off: a CUDA process could not run under the new daemon: RuntimeError: "
+                        "CUDA error: all CUDA-capable devices are busy or unavailable")
+    assert [(c["args"], c["stdin"]) for c in _calls(log)] == [(["-d"], ""), ([], "quit\n")]
+    with pytest.raises(ConfigError, match="--mps on: a CUDA process could not run under"):
+        with mps.cuda_mps("on", None, None, have_gpu=True):
+            pass
+    assert [c["args"] for c in _calls(log)][2:] == [["-d"], []]
 
 
 def test_a_daemon_named_in_the_environment_is_used_as_it_is(tmp_path, monkeypatch):

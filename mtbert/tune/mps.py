@@ -19,6 +19,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -30,6 +31,12 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 CHOICES = ("auto", "on", "off")
 #: seconds the control commands may take (``-d`` forks and returns at once)
 CONTROL_TIMEOUT_S = 30.0
+#: a CUDA client of the new daemon, run once before the trials: a daemon that starts but
+#: cannot serve (a container without the shared IPC namespace, a server that fails)
+#: would fail every trial's CUDA start instead
+PROBE = [sys.executable, "-c", "import torch; torch.ones(1, device='cuda').add_(1); "
+         "torch.cuda.synchronize()"]
+PROBE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,18 @@ def cuda_mps(choice: str, address: str | None, gpus_per_trial: float | None,
         env = {PIPE_ENV: os.path.join(folder, "pipe"), LOG_ENV: os.path.join(folder, "log")}
         for path in env.values():
             os.mkdir(path)
-        started = _control(control, ["-d"], env)
-        if started is not None:
+        failed = _control(control, ["-d"], env)
+        if failed is not None:
+            failed = f"{CONTROL} -d failed: {failed}"
+        else:
+            served = _run(PROBE, env, PROBE_TIMEOUT_S)
+            if served is not None:
+                _control(control, [], env, stdin="quit\n")
+                failed = f"a CUDA process could not run under the new daemon: {served}"
+        if failed is not None:
             if choice == "on":
-                raise ConfigError(f"--mps on: {CONTROL} -d failed: {started}")
-            yield MpsUse(f"off: {CONTROL} -d failed ({started})")
+                raise ConfigError(f"--mps on: {failed}")
+            yield MpsUse(f"off: {failed}")
             return
         try:
             yield MpsUse(f"on: a daemon of this search's own ({PIPE_ENV}={env[PIPE_ENV]})", env)
@@ -94,11 +108,19 @@ def cuda_mps(choice: str, address: str | None, gpus_per_trial: float | None,
 def _control(control: str, args: list[str], env: dict[str, str],
              stdin: str | None = None) -> str | None:
     """Run the control program; None when it succeeded, else what went wrong."""
+    return _run([control, *args], env, CONTROL_TIMEOUT_S, stdin)
+
+
+def _run(command: list[str], env: dict[str, str], timeout_s: float,
+         stdin: str | None = None) -> str | None:
+    """Run ``command`` with ``env`` added; None when it succeeded, else the last line it
+    wrote (or why it could not run)."""
     try:
-        done = subprocess.run([control, *args], input=stdin, capture_output=True, text=True,
-                              env={**os.environ, **env}, timeout=CONTROL_TIMEOUT_S)
+        done = subprocess.run(command, input=stdin, capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     if done.returncode != 0:
-        return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
     return None
