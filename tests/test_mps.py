@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
     ("auto", "HEAD:6379", None, True, "/bin/ctl", "off: the trials run on a Ray cluster's"),
     ("auto", None, None, False, "/bin/ctl", "off: no CUDA GPU on this machine"),
     ("auto", None, None, True, None, "off: nvidia-cuda-mps-control is not on PATH"),
-    ("auto", None, 1.0, True, "/bin/ctl", "off: trials do not share a GPU"),
-    ("auto", None, 0.0, True, "/bin/ctl", "off: trials do not share a GPU"),
+    ("auto", None, 1.0, True, "/bin/ctl", "off: each trial has whole GPUs"),
+    ("auto", None, 0.0, True, "/bin/ctl", "off: the trials train on CPUs"),
     ("on", None, 1.0, True, "/bin/ctl", None),  # asked for: started even for one a GPU
 ])
 def test_when_the_search_starts_a_daemon(choice, address, gpus, have_gpu, control, off):
@@ -42,10 +42,12 @@ def test_when_the_search_starts_a_daemon(choice, address, gpus, have_gpu, contro
     ("HEAD:6379", True, "/bin/ctl", "--mps on: the trials run on a Ray cluster's nodes"),
     (None, False, "/bin/ctl", "--mps on: no CUDA GPU on this machine"),
     (None, True, None, "--mps on: nvidia-cuda-mps-control is not on PATH"),
+    (None, True, "/bin/ctl", r"--mps on: the trials train on CPUs \(--gpus-per-trial 0\)"),
 ])
 def test_mps_on_where_it_cannot_be_is_an_error(address, have_gpu, control, message):
+    gpus = 0.0 if "CPUs" in message else None
     with pytest.raises(ConfigError, match=message):
-        mps.mps_reason_off("on", address, None, have_gpu, control)
+        mps.mps_reason_off("on", address, gpus, have_gpu, control)
 
 
 def _stand_in(folder: Path, exit_status: int = 0) -> Path:

@@ -56,11 +56,11 @@ def mps_reason_off(choice: str, address: str | None, gpus_per_trial: float | Non
     reasons = [(address is not None, "the trials run on a Ray cluster's nodes (--address): "
                 "start MPS on each GPU node, cluster/README.md"),
                (not have_gpu, "no CUDA GPU on this machine"),
+               (gpus_per_trial == 0, "the trials train on CPUs (--gpus-per-trial 0)"),
                (control is None, f"{CONTROL} is not on PATH")]
-    if choice == "auto":
-        reasons.append((gpus_per_trial is not None and (gpus_per_trial == 0
-                                                        or gpus_per_trial >= 1),
-                        "trials do not share a GPU (--gpus-per-trial)"))
+    if choice == "auto":  # asked for, a daemon is started even for whole GPUs
+        reasons.append((gpus_per_trial is not None and gpus_per_trial >= 1,
+                        "each trial has whole GPUs (--gpus-per-trial)"))
     for applies, why in reasons:
         if applies:
             if choice == "on":
