@@ -248,8 +248,9 @@ class SmartRegulariser:
         params = dict(model.named_parameters())
         names = list(self.teacher)
         teacher = [self.teacher[n] for n in names]
-        torch._foreach_mul_(teacher, self.settings.beta)
-        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - self.settings.beta)
+        beta = self.settings.beta
+        torch._foreach_mul_(teacher, beta)
+        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - beta)
 
     # -------------------------------------------------------------- the term
     def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
@@ -312,7 +313,8 @@ class SmartRegulariser:
             norm = norm.view(-1, 1, 1) + _TINY
             # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
             eps = self.values["eps"]
-            delta = {k: (torch.clamp(delta[k].detach() + self.settings.step_size * grads[k] / norm,
+            step = self.settings.step_size
+            delta = {k: (torch.clamp(delta[k].detach() + step * grads[k] / norm,
                                      -eps, eps) * masks[k]) for k in keys}
         return x, delta
 
