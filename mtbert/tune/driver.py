@@ -27,7 +27,7 @@ from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
                                         ui_links)
-from mtbert.tune.mps import cuda_mps
+from mtbert.tune.mps import cuda_mps, local_gpu
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
@@ -48,7 +48,8 @@ def run(settings: SearchSettings) -> int:
     settings = settings.resolved_for(sum(data.train_sizes().values()))
     # MPS outside Ray: its daemon stops only once Ray's workers, its clients, are gone
     with cuda_mps(settings.mps, settings.address, settings.gpus_per_trial,
-                  _local_gpu(settings)) as mps, ray_session(settings.address, mps.worker_env):
+                  settings.mps != "off" and local_gpu(settings.address)) as mps, \
+            ray_session(settings.address, mps.worker_env):
         for line in dashboard_lines():
             print(f"[tune] {line}", flush=True)
         plan = plan_resources(settings.cpus_per_trial, settings.gpus_per_trial,
@@ -256,14 +257,6 @@ def known_trials(settings: SearchSettings, records, summary: SearchSummary,
     earlier = settings.extends.known if settings.extends else []
     return own + [dataclasses.replace(t, weights=summary.models.get(t.record.trial_id)
                                       or t.weights) for t in earlier]
-
-
-def _local_gpu(settings: SearchSettings) -> bool:
-    """Whether trials started on this machine would find a CUDA GPU here."""
-    if settings.address or settings.mps == "off":
-        return False
-    import torch
-    return torch.cuda.is_available()
 
 
 def _finalist_device(settings: SearchSettings) -> str:

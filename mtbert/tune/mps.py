@@ -47,6 +47,14 @@ class MpsUse:
     worker_env: dict[str, str] = field(default_factory=dict)
 
 
+def local_gpu(address: str | None) -> bool:
+    """Whether trials started on this machine (no ``--address``) would find a CUDA GPU."""
+    if address:
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
 def mps_reason_off(choice: str, address: str | None, gpus_per_trial: float | None,
                    have_gpu: bool, control: str | None) -> str | None:
     """Why no daemon is started for this search (None: start one).  ConfigError (naming

@@ -340,9 +340,8 @@ def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
             raise ConfigError(f"--gpus-per-trial {args.gpus_per_trial:g}: no CUDA GPU on this "
                               "machine (use --address to run on a cluster with GPUs)")
     if getattr(args, "mps", "auto") == "on" and not os.environ.get(mps.PIPE_ENV):
-        import torch
-        mps.mps_reason_off("on", args.address, gpus, not args.address
-                           and torch.cuda.is_available(), shutil.which(mps.CONTROL))
+        mps.mps_reason_off("on", args.address, gpus, mps.local_gpu(args.address),
+                           shutil.which(mps.CONTROL))
     if args.seed < 0:
         raise ConfigError(f"--seed {args.seed}: must be >= 0")
     if args.max_failures < 0:
