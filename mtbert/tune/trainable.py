@@ -31,7 +31,7 @@ from typing import Any
 
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
-from mtbert.tune import work_folders
+from mtbert.tune import work_folders, worker_exit
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
 from mtbert.tune.trial_config import MUTABLE_KEYS, trial_config
 
@@ -138,7 +138,12 @@ def _wait_for_the_actor_to_exit(work: Path) -> None:
     ``FunctionTrainable.reset_config``, waiting (``TUNE_FUNCTION_THREAD_TIMEOUT_S``:
     :data:`REUSE_WAIT_S`) for this thread to end -- a thread that never ends makes the reset fail and the next
     trial error.  The process lives on, so unwinding is safe: SystemExit goes up and the
-    Trainer is freed as the stack unwinds."""
+    Trainer is freed as the stack unwinds.
+
+    Either way the GPU has finished this thread's work first: the process's exit waits
+    for that (:mod:`mtbert.tune.worker_exit`; under CUDA MPS a process ending with
+    kernels in flight faults the GPU's other trials)."""
+    worker_exit.off_the_gpu()
     if _actor_is_being_reset():
         raise SystemExit(0)
     shutil.rmtree(work, ignore_errors=True)
@@ -209,6 +214,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
                     checkpoint=(tune.Checkpoint.from_directory(checkpoint_dir)
                                 if checkpoint_dir else None))
 
+    worker_exit.trial_started()
     try:
         checkpoint = tune.get_checkpoint()
         resume_from = None
@@ -226,4 +232,5 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
                 raise
             _wait_for_the_actor_to_exit(work)
     finally:
+        worker_exit.off_the_gpu()  # returned or raised: the exit need not wait for it
         shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""A trial worker's process ends only once its training thread has left the GPU.
+
+When Tune stops a trial that it does not reuse the worker for, it calls the actor's
+``stop`` (which does not wait for the training thread) and then ``__ray_terminate__``:
+the process exits, running its ``atexit`` handlers, while the training thread may still
+have a step's kernels queued or be launching the next graph replay.  Alone on a GPU that
+costs nothing.  Under CUDA MPS (``--mps``) a client that ends with work in flight faults
+every other client of the GPU: on one H200 (2026-11-27) a trainer beside a process
+killed mid-replay failed with ``cudaErrorDevicesUnavailable``, and in a full ``smart``
+search the 8 trials sharing the GPU failed together (illegal address, SIGSEGV in
+``cuGraphLaunch``) 8 s after the scheduler ended 5 others; Ray restored them from their
+checkpoints.
+
+So a trial marks when it starts (:func:`trial_started`) and when its thread is off the
+GPU (:func:`off_the_gpu`: every queued kernel finished; called where the thread parks
+for the process to end, and where the trial returns or raises), and the process's exit
+waits for that mark, at most :data:`EXIT_WAIT_S` (the stopped thread notices the stop
+at its next step: milliseconds from graphs, an evaluation at most), then waits for the
+device itself.  Without CUDA in use nothing waits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+
+#: the longest a worker's exit waits for its training thread to leave the GPU
+EXIT_WAIT_S = 30.0
+
+_off_gpu = threading.Event()
+_off_gpu.set()
+_registered = False
+
+
+def trial_started() -> None:
+    """A trial's thread begins using the GPU: the process's exit now waits for it."""
+    global _registered
+    _off_gpu.clear()
+    if not _registered:
+        atexit.register(wait_before_exit)
+        _registered = True
+
+
+def off_the_gpu() -> None:
+    """The calling trial thread has no more work for the GPU: wait for what it queued."""
+    _synchronize()
+    _off_gpu.set()
+
+
+def wait_before_exit(timeout: float = EXIT_WAIT_S, gpu: bool | None = None) -> bool:
+    """(atexit) Wait for the trial thread to be off the GPU, then for the device; False
+    where the thread did not get there in ``timeout`` seconds.  ``gpu``: whether this
+    process uses CUDA (default: torch says)."""
+    if not (_cuda_in_use() if gpu is None else gpu):
+        return True
+    done = _off_gpu.wait(timeout)
+    if not done:
+        print(f"[mtbert] the trial thread was still on the GPU {timeout:.0f} s into the "
+              "worker's exit", file=sys.stderr, flush=True)
+    _synchronize()
+    return done
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")  # a worker that never imported torch used no GPU
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _synchronize() -> None:
+    if _cuda_in_use():
+        sys.modules["torch"].cuda.synchronize()
