@@ -221,6 +221,17 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_kept_step():
+    """A test's trainers start without another test's kept step graphs
+    (``mtbert.graph_reuse``), and leave none behind."""
+    from mtbert import graph_reuse
+
+    graph_reuse.forget()
+    yield
+    graph_reuse.forget()
+
+
 @pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir, tiny_data_dir):
     """A fast TrainConfig on the tiny model and tiny data; pass overrides as kwargs."""

@@ -15,18 +15,8 @@ from mtbert import graph_reuse
 from mtbert.data import load_data
 from mtbert.trainer import Trainer
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="captured step graphs need a CUDA GPU; torch sees none")]
-
-SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0, smart_mu=0.5)
-
-
-@pytest.fixture(autouse=True)
-def nothing_kept():
-    graph_reuse.forget()
-    yield
-    graph_reuse.forget()
+# skipped where torch sees no GPU (conftest.py); nothing kept from another test's trainers
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_kept_step")]
 
 
 @pytest.fixture
@@ -34,7 +24,8 @@ def cuda_config(tiny_config):
     def make(**overrides):
         base = dict(device="cuda", step_mode="graphs", batch_size=8, max_length=64,
                     dropout=0.1, max_examples=240, eval_every=120, eval_dev=False,
-                    eval_at_start=False, **SMART)
+                    eval_at_start=False, smart_lambda_sst=1.0, smart_lambda_qqp=1.0,
+                    smart_lambda_sts=1.0, smart_mu=0.5)
         return tiny_config(**{**base, **overrides})
     return make
 
@@ -43,11 +34,19 @@ def weights(trainer) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
 
 
-def same_training(kept: Trainer, fresh: Trainer) -> None:
+def trains_as_built_afresh(cfg, data, folder, resume_from=None) -> Trainer:
+    """Train ``cfg`` on the kept step this process holds, then built afresh (nothing
+    kept), from the same start; the two end with the same weights (bf16 rounding)."""
+    kept = Trainer(cfg, data, folder / "kept", resume_from=resume_from, checkpoints=False)
+    kept.fit()
+    graph_reuse.forget()
+    fresh = Trainer(cfg, data, folder / "fresh", resume_from=resume_from, checkpoints=False)
+    fresh.fit()
     torch.cuda.synchronize()
     w_k, w_f = weights(kept), weights(fresh)
     assert torch.isfinite(w_k).all()
     assert ((w_k - w_f).norm() / w_f.norm()).item() < 2e-3
+    return kept
 
 
 def checkpointed(cfg, data, folder, examples: int):
@@ -63,28 +62,15 @@ def test_a_resumed_trial_on_a_kept_step(cuda_config, tmp_path):
     data = load_data(cfg)
     ckpt = checkpointed(cfg.replace(seed=5), data, tmp_path / "c", 120)
     Trainer(cfg.replace(seed=1, lr=2e-3), data, tmp_path / "a", checkpoints=False).fit()
-    kept = Trainer(cfg.replace(seed=5), data, tmp_path / "c2", resume_from=ckpt,
-                   checkpoints=False)
+    kept = trains_as_built_afresh(cfg.replace(seed=5), data, tmp_path, resume_from=ckpt)
     assert kept.step_graphs.stats.kept >= 3
-    kept.fit()
-    graph_reuse.forget()
-    fresh = Trainer(cfg.replace(seed=5), data, tmp_path / "c3", resume_from=ckpt,
-                    checkpoints=False)
-    fresh.fit()
-    same_training(kept, fresh)
 
 
 def test_another_batch_size_on_a_kept_step(cuda_config, tmp_path):
     cfg = cuda_config()
     data = load_data(cfg)
     Trainer(cfg.replace(seed=1), data, tmp_path / "a", checkpoints=False).fit()
-    kept = Trainer(cfg.replace(seed=2, batch_size=16), data, tmp_path / "b", checkpoints=False)
-    kept.fit()
-    graph_reuse.forget()
-    fresh = Trainer(cfg.replace(seed=2, batch_size=16), data, tmp_path / "b2",
-                    checkpoints=False)
-    fresh.fit()
-    same_training(kept, fresh)
+    trains_as_built_afresh(cfg.replace(seed=2, batch_size=16), data, tmp_path)
 
 
 def test_a_resumed_trial_of_another_batch_size_on_a_kept_step(cuda_config, tmp_path):
@@ -92,14 +78,8 @@ def test_a_resumed_trial_of_another_batch_size_on_a_kept_step(cuda_config, tmp_p
     data = load_data(cfg)
     ckpt = checkpointed(cfg.replace(seed=5, batch_size=16), data, tmp_path / "c", 128)
     Trainer(cfg.replace(seed=1), data, tmp_path / "a", checkpoints=False).fit()
-    kept = Trainer(cfg.replace(seed=5, batch_size=16), data, tmp_path / "c2",
-                   resume_from=ckpt, checkpoints=False)
-    kept.fit()
-    graph_reuse.forget()
-    fresh = Trainer(cfg.replace(seed=5, batch_size=16), data, tmp_path / "c3",
-                    resume_from=ckpt, checkpoints=False)
-    fresh.fit()
-    same_training(kept, fresh)
+    trains_as_built_afresh(cfg.replace(seed=5, batch_size=16), data, tmp_path,
+                           resume_from=ckpt)
 
 
 def test_a_kept_step_after_a_stopped_trial(cuda_config, tmp_path):
@@ -112,12 +92,7 @@ def test_a_kept_step_after_a_stopped_trial(cuda_config, tmp_path):
         raise SystemExit(0)
     with pytest.raises(SystemExit):
         Trainer(cfg.replace(seed=1), data, tmp_path / "a", report=stop).fit()
-    kept = Trainer(cfg.replace(seed=2), data, tmp_path / "b", checkpoints=False)
-    kept.fit()
-    graph_reuse.forget()
-    fresh = Trainer(cfg.replace(seed=2), data, tmp_path / "b2", checkpoints=False)
-    fresh.fit()
-    same_training(kept, fresh)
+    trains_as_built_afresh(cfg.replace(seed=2), data, tmp_path)
 
 
 def test_a_chain_of_trials_as_a_search_makes_them(cuda_config, tmp_path):
