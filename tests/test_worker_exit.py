@@ -43,7 +43,7 @@ def test_a_thread_that_never_leaves_is_waited_for_at_most_the_timeout(capfd):
     started = time.perf_counter()
     assert worker_exit.wait_before_exit(timeout=0.3, gpu=True) is False
     assert 0.25 <= time.perf_counter() - started < 5
-    assert "still on the GPU 0 s into the worker's exit" in capfd.readouterr().err
+    assert "still on the GPU 0.3 s into the worker's exit" in capfd.readouterr().err
 
 
 def test_nothing_waits_without_cuda_or_without_a_trial():

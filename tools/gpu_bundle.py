@@ -40,8 +40,8 @@ dashboard), ``optuna`` and ``mlflow``, minus the closure of what the machine has
 distributions installed in the environment this runs in (which must be the lock's
 versions), markers evaluated for CPython 3.12 on Linux x86_64 (:data:`TARGET_ENV`);
 so torch's and transformers' own dependencies (filelock, jinja2, huggingface-hub,
-packaging, pydantic, ...) are taken to be on the machine, and nvidia-*, triton and the
-like never travel.  Call 1 prints the versions the machine has of the packages the stack
+packaging, ...) are taken to be on the machine, except :data:`DEVICE_LACKS`, and
+nvidia-*, triton and the like never travel.  Call 1 prints the versions the machine has of the packages the stack
 takes from it.
 """
 
@@ -78,10 +78,9 @@ STACK_ROOTS = (("ray", ("tune", "default")), ("optuna", ()), ("mlflow", ()))
 #: what the lent machine has installed; its dependency closure stays home too
 DEVICE_HAS = ("torch", "transformers", "numpy", "pyarrow", "scipy", "pandas", "matplotlib",
               "pyyaml")
-#: what the closure of :data:`DEVICE_HAS` reaches through the lock's versions (transformers
-#: requires pydantic) but the machine lacks (its transformers is another release): they
-#: travel with the stack where it needs them (on 2026-11-27 MLflow failed to import
-#: there without pydantic)
+#: what the closure of :data:`DEVICE_HAS` reaches through the lock's versions (the lock's
+#: transformers requires pydantic) but the machine lacks: they travel with the stack
+#: where it needs them (on 2026-11-27 MLflow failed to import there without pydantic)
 DEVICE_LACKS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 #: the machine's interpreter, for the environment markers of the closure
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3",

@@ -7,7 +7,7 @@ have a step's kernels queued or be launching the next graph replay.  Alone on a 
 costs nothing.  Under CUDA MPS (``--mps``) a client that ends with work in flight faults
 every other client of the GPU: on one H200 (2026-11-27) a trainer beside a process
 killed mid-replay failed with ``cudaErrorDevicesUnavailable``, and in a full ``smart``
-search the 8 trials sharing the GPU failed together (illegal address, SIGSEGV in
+search the 3 trials still training failed together (illegal address, SIGSEGV in
 ``cuGraphLaunch``) 8 s after the scheduler ended 5 others; Ray restored them from their
 checkpoints.
 
@@ -56,7 +56,7 @@ def wait_before_exit(timeout: float = EXIT_WAIT_S, gpu: bool | None = None) -> b
         return True
     done = _off_gpu.wait(timeout)
     if not done:
-        print(f"[mtbert] the trial thread was still on the GPU {timeout:.0f} s into the "
+        print(f"[mtbert] the trial thread was still on the GPU {timeout:g} s into the "
               "worker's exit", file=sys.stderr, flush=True)
     _synchronize()
     return done
