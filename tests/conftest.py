@@ -34,6 +34,7 @@ INTEGRATION_MODULES = {
     "test_actor_reuse": "a one-CPU Ray session",
     "test_bad_input": "34 tune_driver.py processes, each importing Ray, MLflow and Optuna",
     "test_bad_input_train": "a training, then 20 python -m mtbert.train processes",
+    "test_mps_search": "a tune_driver.py search on a GPU under CUDA MPS (cuda)",
 }
 INTEGRATION_TESTS = {
     "test_gpu_packing.py::test_trials_share_the_gpus_of_a_cluster_by_default":

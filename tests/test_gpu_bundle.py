@@ -127,7 +127,8 @@ def test_the_default_command_runs_the_full_search_then_the_checks():
 def test_call_1_runs_the_cuda_tests_with_the_carried_tokenizer(tmp_path):
     script = gb.device_script(1, 2, ["stack.tar.xz.00"], 1, [], run=False,
                               command=gb.COMMAND, limit_s=540)
-    assert 'PYTHONPATH="$HERE/minilm-package"' in script and gb.CUDA_TESTS in script
+    assert 'PYTHONPATH="/tmp/stack:$HERE/minilm-package:$REPO"' in script
+    assert gb.CUDA_TESTS in script
     for path in [w for w in gb.CUDA_TESTS.split() if w.startswith("tests/")]:
         assert (gb.REPO / path).is_file(), path
     package = gb.copy_package(tmp_path / "minilm-package")

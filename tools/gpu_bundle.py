@@ -108,9 +108,10 @@ PRUNED = ("ray/jars", "mlflow/server/js")
 #: --experiment smart-full-graphs``, then the benches)
 COMMAND = "bash tools/gpu_checks.sh"
 #: what call 1 runs once the stack is unpacked: the CUDA tests (tiny random models with the
-#: packaged MiniLM's tokenizer, carried without its weights as ``minilm-package/``)
+#: packaged MiniLM's tokenizer, carried without its weights as ``minilm-package/``; the
+#: MPS search test with the stack's Ray)
 CUDA_TESTS = ("python -m pytest -q -m cuda -p no:cacheprovider tests/test_step_graphs.py "
-              "tests/test_graph_reuse_cuda.py")
+              "tests/test_graph_reuse_cuda.py tests/test_mps_search.py")
 WEIGHTS = "model.safetensors"
 FP16_WEIGHTS = "model.fp16.safetensors"
 #: the safetensors metadata key naming the tensors cast from fp32 to fp16
@@ -476,7 +477,8 @@ if [ -d "$HERE/minilm-fp16" ]; then
 fi
 if [ -d "$HERE/minilm-package" ]; then
   echo "=== $(date +%T) the CUDA tests: @CUDA_TESTS@" | tee "$OUT/cuda_tests.log"
-  PYTHONPATH="$HERE/minilm-package" timeout 180 @CUDA_TESTS@ 2>&1 | tee -a "$OUT/cuda_tests.log"
+  PYTHONPATH="/tmp/stack:$HERE/minilm-package:$REPO" timeout 300 @CUDA_TESTS@ 2>&1 \
+    | tee -a "$OUT/cuda_tests.log"
 fi
 [ "@RUN@" = 1 ] || exit 0
 [ -f /tmp/stack/.complete ] || die "no /tmp/stack: run the earlier call on this warm machine first"
@@ -651,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_bundle] model: {model['source']}, {model['cast']} tensors in fp16; restored "
           f"fp32 differs from the original by at most {model['max_abs_diff']:.3g}")
     print(f"[gpu_bundle] data: {data_bytes / MiB:.2f} MiB from {args.data_dir}")
-    print(report(folders, (240, 600)))
+    print(report(folders, (360, 600)))
     return 0
 
 
