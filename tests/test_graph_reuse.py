@@ -30,13 +30,10 @@ SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=0.5, smart_lambda_sts=2.0, s
 
 
 @pytest.fixture
-def graphs_on_cpu(monkeypatch):
+def graphs_on_cpu(monkeypatch, no_kept_step):
     """The trainer takes the graphed path on the CPU (bodies run eagerly); nothing kept
     outlives the test."""
     monkeypatch.setattr("mtbert.trainer.graphs_wanted", lambda cfg, device: True)
-    graph_reuse.forget()
-    yield
-    graph_reuse.forget()
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -12,19 +12,11 @@ from mtbert import graph_reuse
 from mtbert.data import load_data
 from mtbert.trainer import NonFiniteLossError, Trainer
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_kept_step"),
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="captured step graphs need a CUDA GPU; torch sees none")]
 
 SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0, smart_mu=0.5)
-
-
-@pytest.fixture(autouse=True)
-def nothing_kept():
-    """Each test's trainers start without another test's kept step graphs."""
-    graph_reuse.forget()
-    yield
-    graph_reuse.forget()
 
 
 def run_steps(cfg, data, folder, mode: str, steps: int = 20):

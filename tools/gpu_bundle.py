@@ -200,7 +200,7 @@ def stack_pins(lock: dict[str, str]) -> tuple[list[str], list[str]]:
     wanted = closure(STACK_ROOTS)
     home = set(closure([(name, ()) for name in DEVICE_HAS])) - set(DEVICE_LACKS)
     pins, problems = [], []
-    for name in sorted(set(wanted) - set(home)):
+    for name in sorted(set(wanted) - home):
         installed = metadata.version(name)
         if name not in lock:
             problems.append(f"{name} is not in the lock")
@@ -209,7 +209,7 @@ def stack_pins(lock: dict[str, str]) -> tuple[list[str], list[str]]:
         pins.append(f"{name}=={lock.get(name, installed)}")
     if problems:
         raise SystemExit("error: this environment is not the lock's: " + "; ".join(problems))
-    return pins, sorted(set(wanted) & set(home))
+    return pins, sorted(set(wanted) & home)
 
 
 def download(pins: list[str], dest: Path) -> list[Path]:
