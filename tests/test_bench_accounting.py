@@ -401,3 +401,34 @@ def test_carried_figures_fill_in_methods_the_runs_lack(se, methods, report, tmp_
         report.carried_figures(str(path), {}, settings)
     with pytest.raises(SystemExit, match="not a search_efficiency.json"):
         report.carried_figures(str(tmp_path / "missing.json"), {}, settings)
+
+
+def test_worker_start_adds_import_seconds_by_package():
+    """bench/worker_start.py sums ``-X importtime``'s self column by top-level package; the
+    header, other output and malformed rows count for nothing."""
+    start = load("worker_start")
+    text = "\n".join([
+        "import time: self [us] | cumulative | imported package",
+        "import time:      1500 |       1500 |     torch._C",
+        "import time:    250000 |     251500 |   torch",
+        "import time:     40000 |      40000 | transformers.utils",
+        "WORKER_START {}",
+        "import time: oops | 1 | broken",
+        "import time:    500000 |     540000 | transformers"])
+    assert start.import_seconds_by_package(text) == pytest.approx(
+        {"transformers": 0.54, "torch": 0.2515})
+    assert list(start.import_seconds_by_package(text)) == ["transformers", "torch"]
+
+
+def test_worker_start_times_each_stage_of_processes_started_together(tmp_path, capsys):
+    """Two worker-like processes at once (CPU, no model): each reports every CPU stage, its
+    ready time covers them, and torch is among its imports."""
+    start = load("worker_start")
+    assert start.main(["--processes", "2", "--json", str(tmp_path / "start.json")]) == 0
+    results = json.loads((tmp_path / "start.json").read_text())["results"]
+    assert len(results) == 2
+    for r in results:
+        assert set(r["stages"]) == {"python", "ray", "tune", "trainable", "data", "trainer"}
+        assert r["ready_s"] >= sum(r["stages"].values()) > 0
+        assert r["packages"]["torch"] > 0.1
+    assert "the last ready after" in capsys.readouterr().out

@@ -1,12 +1,14 @@
 #!/bin/bash
 # What a lent GPU runs for the step graphs in call 2 (tools/gpu_bundle.py): the full-budget
 # smart search first (the figure most at risk of the call's time limit), then the
-# throughput benches and the trial-reuse bench (docs/bench/step_graphs.md).  The CUDA
+# throughput benches, the trial-reuse bench and where 8 fresh workers' start goes
+# (docs/bench/step_graphs.md).  The CUDA
 # tests need neither MiniLM nor the data, so they run in call 1 after the stack is
 # unpacked (docs/gpu_h100/README.md), which leaves call 2's 540 s to these.  Call 2 runs
 # this from the repository root with $DATA (the carried data), /tmp/minilm and PYTHONPATH
 # set, and stops it with SIGINT at its time limit.  $OUT brings back at most 8 files:
-# this writes 4 beside call 2's search.log, gpu_util.csv and the search's two summaries.
+# this writes 4 beside call 2's search.log, gpu_util.csv and the search's two summaries
+# (the worker-start table goes to search.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -25,3 +27,5 @@ timeout 40 $TP --threads 2 --warmup 300 --steps 300 --batch-size 16 --set smart_
 echo "=== $(date +%T) python bench/trial_reuse.py --device cuda --trials 4"
 timeout 60 python bench/trial_reuse.py --device cuda --model /tmp/minilm --data-dir "$DATA" \
   --trials 4 2>&1 | tee "$OUT/trial_reuse.log"
+echo "=== $(date +%T) python bench/worker_start.py --processes 8 --device cuda"
+timeout 60 python bench/worker_start.py --processes 8 --device cuda --model /tmp/minilm
