@@ -34,17 +34,19 @@ import torch
 
 from mtbert import graph_reuse
 from mtbert.atomic import atomic_write_json
+from mtbert.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, TrainingParts,
+                               restore_checkpoint)
 from mtbert.config import TrainConfig
 from mtbert.cosine_init import fit_qqp_cosine
 from mtbert.data import (ROW_WEIGHTS, MultitaskData, TaskBatcher, collate, encoding_for,
                          eval_rows, eval_token_cap, real_rows)
 from mtbert.devices import check_compile_mode, compile_model, resolve_device, to_device
 from mtbert.dropout_rate import hold_dropout_in_tensor
-from mtbert.errors import ConfigError, DataError, first_line
+from mtbert.errors import ConfigError
 from mtbert.gradients import build_gradient_combiner
 from mtbert.inference import as_label, predict_split
 from mtbert.losses import build_loss_combiner, task_loss
-from mtbert.lr_schedules import build_lr_scheduler, take_configured_lrs
+from mtbert.lr_schedules import build_lr_scheduler
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
 from mtbert.predictions import write_predictions as write_prediction_files
@@ -53,13 +55,9 @@ from mtbert.task_schedules import build_schedule, super_batches
 from mtbert.smart import build_regulariser
 from mtbert.step_graphs import StepGraphs, eager_reason, graphs_wanted
 from mtbert.tasks import TASK_NAMES
-from mtbert.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, CheckpointWriter,
-                                   HostCopy, encoder_config_json, folder_bytes,
-                                   read_training_state, read_weights, state_mismatch,
-                                   write_checkpoint_folder, write_weights)
+from mtbert.training_state import CheckpointWriter
 
 ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
-CHECKPOINT_FILE = STATE_FILE  # the training state beside the weights (training_state)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -142,10 +140,9 @@ class Trainer:
         # setup = model load, pre-training stage, optimizer, batchers, checkpoint restore
         self.timings = {"setup_s": time.perf_counter() - setup_started, "train_s": 0.0,
                         "eval_s": 0.0, "checkpoint_s": 0.0}
-        # checkpoints are written (and reported) on a background thread; its figures
+        # checkpoints are snapshot here and written (and reported) on a background thread
+        self.checkpoint_folder = CheckpointFolder(self.out_dir)
         self.checkpoint_writer = CheckpointWriter()
-        self.checkpoint_stats = {"checkpoints_written": 0, "checkpoint_bytes": 0,
-                                 "checkpoint_write_s": 0.0, "report_s": 0.0}
 
     # ------------------------------------------------------------------ setup
     def _build_model(self, fresh: MultitaskModel, kept: graph_reuse.KeptStep | None,
@@ -535,61 +532,33 @@ class Trainer:
                                predictions)
 
     # ------------------------------------------------------------------ checkpoints
+    def _training_parts(self) -> TrainingParts:
+        return TrainingParts(self.model, self.optimizer, self.lr_scheduler, self.loss_combiner,
+                             self.regulariser, self.batchers)
+
     def save_checkpoint(self, metrics: dict | None = None) -> Path:
         """Write ``out_dir/checkpoint`` now (atomically: tmp folder, then rename)."""
         return self._checkpoint_job(metrics)()
 
     def _checkpoint_job(self, metrics: dict | None) -> Callable[[], Path]:
-        """Snapshot the training state now (host copies, :class:`HostCopy`); the returned
-        function writes it to ``out_dir/checkpoint`` (layout: :mod:`mtbert.training_state`)
+        """Snapshot the run now; the returned function writes it (:mod:`mtbert.checkpoint`)
         and may run on another thread while training goes on."""
-        if not hasattr(self, "_host_copy"):
-            self._host_copy = HostCopy()
-            self._encoder_config = encoder_config_json(self.model.encoder)
-        snapshot = self._host_copy.copy({"weights": self.model.state_dict(), "state": {
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "loss_combiner": self.loss_combiner.state_dict(),
-            "regulariser": self.regulariser.state_dict() if self.regulariser is not None else {},
-            "batchers": {t: b.state_dict() for t, b in self.batchers.items()},
-            "counters": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                         "examples_seen": self.examples_seen,
-                         "optimizer_steps": self.optimizer_steps, "next_eval": self.next_eval,
-                         "evaluations": self.evaluations},
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }})
-        config_yaml, encoder_config = self.cfg.to_yaml(), self._encoder_config
-        history = [scalar_metrics(m) for m in self.history]
         predictions = self._last_val_predictions  # the evaluation this checkpoint belongs to
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-
-        def fill(tmp: Path) -> None:
-            self._host_copy.ready()
-            write_weights(tmp, snapshot["weights"], encoder_config)
-            torch.save(snapshot["state"], tmp / CHECKPOINT_FILE)
-            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-            atomic_write_json(tmp / "metrics.json", metrics or {})
-            atomic_write_json(tmp / "history.json", history)
-            if predictions:
-                self.write_predictions("val", predictions, tmp / "predictions")
-
-        def write() -> Path:
-            started = time.perf_counter()
-            final = write_checkpoint_folder(self.out_dir / "checkpoint", fill)
-            stats = self.checkpoint_stats
-            stats["checkpoints_written"] += 1
-            stats["checkpoint_bytes"] += folder_bytes(final)
-            stats["checkpoint_write_s"] += time.perf_counter() - started
-            return final
-        return write
+        contents = CheckpointContents(
+            counters={key: getattr(self, key) for key in COUNTERS},
+            config_yaml=self.cfg.to_yaml(),
+            history=[scalar_metrics(m) for m in self.history],
+            write_val_predictions=(
+                (lambda folder: self.write_predictions("val", predictions, folder))
+                if predictions else None))
+        return self.checkpoint_folder.snapshot(self._training_parts(), contents, metrics)
 
     def _write_and_report(self, write: Callable[[], Path] | None, metrics: dict) -> None:
         """A checkpoint job (on the writer thread): write the checkpoint, then report it
         with the writer's figures so far (bytes, seconds writing and reporting)."""
         checkpoint_dir = write() if write is not None else None
         if self.report is not None:
-            stats = self.checkpoint_stats
+            stats = self.checkpoint_folder.stats
             started = time.perf_counter()
             self.report({**metrics, "checkpoints_written": stats["checkpoints_written"],
                          "checkpoint_bytes": stats["checkpoint_bytes"],
@@ -602,46 +571,9 @@ class Trainer:
         """Restore a checkpoint written by :meth:`save_checkpoint`. A damaged file is a
         :class:`DataError` naming it; a checkpoint whose model or optimizer state does not
         fit this run is a :class:`ConfigError` naming the settings that differ."""
-        checkpoint_dir = Path(checkpoint_dir)
-        state_file = checkpoint_dir / CHECKPOINT_FILE
-        state = read_training_state(state_file, self.device)
-        weights = read_weights(checkpoint_dir, self.device)
-        part = "model"
-        try:
-            self.model.load_state_dict(weights)
-            part = "optimizer"
-            self.optimizer.load_state_dict(state["optimizer"])
-            part = "LR scheduler"
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            take_configured_lrs(self.lr_scheduler, self.configured_lrs)
-            part = "loss weighting"
-            self.loss_combiner.load_state_dict(state["loss_combiner"])
-            part = "SMART regulariser"
-            if self.regulariser is not None and state["regulariser"]:
-                self.regulariser.load_state_dict(state["regulariser"])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-            holder = HEADS_FILE if part == "model" else CHECKPOINT_FILE
-            raise state_mismatch(checkpoint_dir, self.cfg, part, exc,
-                                 checkpoint_dir / holder) from None
-        try:
-            for t, b in self.batchers.items():
-                b.load_state_dict(state["batchers"][t])
-            for key, value in state["counters"].items():
-                setattr(self, key, int(value))
-            torch.set_rng_state(state["torch_rng"].cpu())
-            if state["cuda_rng"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise DataError(f"{state_file}: damaged training state ({first_line(exc)}); "
-                            f"{STATE_EXPECTED}", path=str(state_file)) from None
-        history_file = checkpoint_dir / "history.json"
-        if history_file.is_file():
-            try:
-                history = json.loads(history_file.read_bytes())
-            except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
-                raise DataError(f"{history_file}: unreadable ({first_line(exc)}); expected the "
-                                "JSON list of evaluations", path=str(history_file)) from None
-            if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
-                raise DataError(f"{history_file}: expected a JSON list of evaluations, got "
-                                f"{type(history).__name__}", path=str(history_file))
+        counters, history = restore_checkpoint(Path(checkpoint_dir), self._training_parts(),
+                                               self.cfg, self.device, self.configured_lrs)
+        for key, value in counters.items():
+            setattr(self, key, value)
+        if history is not None:
             self.history = history

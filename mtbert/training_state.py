@@ -49,7 +49,7 @@ ENCODER_CONFIG = f"{ENCODER_DIR}/config.json"
 WEIGHT_FILES = (ENCODER_CONFIG, ENCODER_WEIGHTS, HEADS_FILE)
 #: the large files of a checkpoint (what ``--keep-checkpoints best|none`` removes)
 TRAINING_STATE_FILES = (STATE_FILE, *WEIGHT_FILES)
-#: what every state.pt holds (see Trainer.save_checkpoint)
+#: what every state.pt holds (what goes in: mtbert.checkpoint)
 STATE_KEYS = ("optimizer", "lr_scheduler", "loss_combiner", "regulariser", "batchers",
               "counters", "torch_rng", "cuda_rng")
 STATE_EXPECTED = "expected a training state written by python -m mtbert.train"

@@ -26,7 +26,7 @@ LAYERS = [
                "mtbert.lr_schedules", "mtbert.metrics", "mtbert.predictions",
                "mtbert.ensemble", "mtbert.dropout_rate", "mtbert.devices"]),
     ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
-              "mtbert.training_state",
+              "mtbert.training_state", "mtbert.checkpoint",
               "mtbert.model_files", "mtbert.inference", "mtbert.trainer"]),
     ("tune: objective and trial", ["mtbert.tune", "mtbert.tune.records",
                                    "mtbert.tune.budgets", "mtbert.tune.trial_config",
