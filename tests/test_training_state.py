@@ -118,3 +118,35 @@ def test_a_failed_checkpoint_job_lets_go_of_what_it_held():
     assert not [t for t in threading.enumerate() if t.name == "mtbert-checkpoint"]
     gc.collect()
     assert seen() is None
+
+
+def test_a_restore_names_the_part_that_does_not_fit_and_a_damaged_counter(tiny_config,
+                                                                           tmp_path):
+    """mtbert.checkpoint puts the parts back in order and names the first that fails: a
+    loss weighting state with a foreign key, then (state fitting again) counters that are
+    not numbers, a damaged file.  A fitting checkpoint gives back its counters and history."""
+    from mtbert.checkpoint import COUNTERS, restore_checkpoint
+    from mtbert.errors import DataError
+    cfg = tiny_config(max_examples=16, eval_dev=False, loss_weighting="uncertainty")
+    data = load_data(cfg)
+    trainer = Trainer(cfg, data, tmp_path / "run")
+    trainer.fit()
+    checkpoint = tmp_path / "run" / "checkpoint"
+    state_file = checkpoint / "state.pt"
+    good = torch.load(state_file, weights_only=True)
+    fresh = Trainer(cfg, data, tmp_path / "fresh")
+
+    def restore():
+        return restore_checkpoint(checkpoint, fresh._training_parts(), cfg, fresh.device,
+                                  fresh.configured_lrs)
+
+    counters, history = restore()
+    assert counters == {k: getattr(trainer, k) for k in COUNTERS}
+    assert [h["examples_seen"] for h in history] == [h["examples_seen"]
+                                                     for h in trainer.history]
+    torch.save({**good, "loss_combiner": {"not_a_log_variance": torch.zeros(3)}}, state_file)
+    with pytest.raises(DataError, match=r"state\.pt: the loss weighting state does not fit"):
+        restore()
+    torch.save({**good, "counters": {**good["counters"], "epoch": "one"}}, state_file)
+    with pytest.raises(DataError, match=r"state\.pt: damaged training state \(ValueError"):
+        restore()
