@@ -5,9 +5,11 @@
 docs/gpu_h100/README.md); ``SUMMARY_JSON`` is that search's ``summary.json``, whose
 ``phases`` give Tune's loop (``tune_started_at`` to ``tune_ended_at``, Unix seconds).
 nvidia-smi's utilisation is the share of each sample period in which some kernel ran (not
-how full the GPU was).  Printed: the samples inside the loop, their mean, the share of
-the loop's samples at ≥ 90 % and ≥ 50 %, and the longest stretch under 50 % (a lone
-host-bound trial at the end shows there).  Several GPUs: one row each.
+how full the GPU was).  Printed: the loop's length and when its first trial was ready
+(``phases.first_ready_s``: the wait for the first worker), the samples inside the loop,
+their mean, the share of the loop's samples at ≥ 90 % and ≥ 50 %, and the longest
+stretch under 50 % (a lone host-bound trial at the end shows there).  Several GPUs: one
+row each.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     samples = read_samples(args.util_csv)
     start, end = tune_loop(args.summary_json)
-    print(f"Tune's loop: {end - start:.0f} s")
+    ready = json.loads(args.summary_json.read_text(encoding="utf-8"))["phases"].get(
+        "first_ready_s")  # absent from older summaries
+    print(f"Tune's loop: {end - start:.0f} s" + (
+        f", the first trial ready {ready:.0f} s into it" if ready is not None else ""))
     for gpu in sorted({s.gpu for s in samples}):
         b = busy([s for s in samples if s.gpu == gpu], start, end)
         if not b["samples"]:

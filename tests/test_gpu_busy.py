@@ -44,7 +44,11 @@ def test_only_the_loop_s_samples_count(tmp_path, capsys):
     assert (b["idle_samples"], b["idle_run_s"], b["idle_run_from_s"]) == (3, 10.0, 20.0)
     assert gpu_busy.main([str(util), str(summary)]) == 0
     out = capsys.readouterr().out
-    assert "Tune's loop: 37 s" in out and "GPU 0: 8 samples, mean 70.5 %" in out
+    assert "Tune's loop: 37 s\n" in out and "GPU 0: 8 samples, mean 70.5 %" in out
+    phases = json.loads(summary.read_text())["phases"]
+    summary.write_text(json.dumps({"phases": {**phases, "first_ready_s": 9.4}}))
+    gpu_busy.main([str(util), str(summary)])
+    assert "Tune's loop: 37 s, the first trial ready 9 s into it\n" in capsys.readouterr().out
 
 
 def test_several_gpus_each_their_row(tmp_path, capsys):

@@ -99,8 +99,8 @@ def test_smoke_search_completes(search):
 
 def test_the_summary_says_where_the_wall_time_went(search):
     """summary.json's phases: Tune's loop between the data and the finish, the parts add
-    up to the whole, every trial entered and reported within the loop; the same line in
-    summary.md and on the console."""
+    up to the whole, every trial entered and reported within the loop, the first trial
+    ready before the first report; the same line in summary.md and on the console."""
     p = search["summary"]["phases"]
     parts = ("data_s", "setup_s", "tune_s", "finish_s")
     assert all(p[k] >= 0 for k in parts) and p["tune_s"] > 1
@@ -109,7 +109,11 @@ def test_the_summary_says_where_the_wall_time_went(search):
     for trial in search["summary"]["trials"]:
         assert p["tune_started_at"] < trial["best"]["time/entered_at"] < p["tune_ended_at"]
         assert trial["best"]["time/reported_at"] < p["tune_ended_at"]
-    line = f"Tune's loop {duration(p['tune_s'])}"
+    # the first trial's Trainer was ready within the loop, before any trial reported
+    first_report = min(t["best"]["time/reported_at"] for t in search["summary"]["trials"])
+    assert 0 < p["first_ready_s"] < first_report - p["tune_started_at"]
+    line = (f"Tune's loop {duration(p['tune_s'])} (the first trial ready "
+            f"{duration(p['first_ready_s'])} into it)")
     assert line in (search["exp_dir"] / "summary.md").read_text()
     assert f"[tune] Wall time {duration(p['total_s'])}: data" in search["console"]
 

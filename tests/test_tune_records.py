@@ -18,7 +18,7 @@ from mtbert.tune.records import (OBJECTIVE, TrialStatus, collect_trials, ranked,
                                  summarize_error, trial_record, trial_status)
 from mtbert.tune.settings import SearchSettings
 from mtbert.tune.spaces import load_space
-from mtbert.tune.summary import MlflowRefs, build_summary
+from mtbert.tune.summary import MlflowRefs, build_summary, first_ready_s, phases_line
 
 MAX = 192
 RUNGS = [48, 144]
@@ -235,3 +235,20 @@ def test_interrupted_summary_and_public_paths(tmp_path, summary_inputs):
     assert public.trials[0].best_checkpoint == stored["a"]
     assert public.trials[1].best_checkpoint == records[1].best_checkpoint  # not stored
     assert s.best_trial.checkpoint == records[0].best_checkpoint          # s unchanged
+
+
+def test_the_first_trial_ready_counts_only_this_loops_trials():
+    """first_ready_s: the earliest entry + start-up among the trials that entered within
+    this loop (a resumed or extended search's earlier trials entered before it); none such,
+    None and no clause in the phases line."""
+    bests = [{"time/entered_at": 1005.0, "time/startup_s": 9.0},
+             {"time/entered_at": 1003.0, "time/startup_s": 12.5},
+             {"time/entered_at": 900.0, "time/startup_s": 1.0},   # an earlier run's trial
+             {"val/overall": 0.5}]                                # reported no timings
+    assert first_ready_s(bests, 1000.0) == 14.0
+    assert first_ready_s(bests[2:], 1000.0) is None
+    phases = {"total_s": 100.0, "data_s": 5.0, "setup_s": 10.0, "tune_s": 80.0,
+              "finish_s": 5.0}
+    assert "ready" not in phases_line(phases)
+    assert "Tune's loop 1 min 20 s (the first trial ready 14 s into it)," in phases_line(
+        {**phases, "first_ready_s": 14.0})

@@ -34,7 +34,7 @@ from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.tuner import InterruptWatch, build_tuner, told_points, told_summary
 from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
 from mtbert.tune.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary,
-                                 phases_line)
+                                 first_ready_s, phases_line)
 from mtbert.tune.tracking import SearchTracker
 from mtbert.tune.trainable import train_trial
 
@@ -225,9 +225,11 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         summary = summary.with_public_paths(location.public, stored)
     if phases:
         now = time.time()
+        ready = first_ready_s((r.best for r in records), phases["tune_started_at"])
         summary = dataclasses.replace(summary, phases={
             **phases, "finish_s": now - phases["tune_ended_at"],
-            "total_s": now - phases["started_at"]})
+            "total_s": now - phases["started_at"],
+            **({"first_ready_s": ready} if ready is not None else {})})
     trials = known_trials(settings, records, summary, complete, stored)
     for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown()),
                        (TRIALS_FILE, trials_document(settings.experiment, parent_run,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -50,9 +51,21 @@ def duration(seconds: float) -> str:
 
 def phases_line(p: dict[str, float]) -> str:
     """Where the command's wall time went (``SearchSummary.phases``)."""
+    ready = (f" (the first trial ready {duration(p['first_ready_s'])} into it)"
+             if "first_ready_s" in p else "")
     return (f"Wall time {duration(p['total_s'])}: data {duration(p['data_s'])}, Ray and "
-            f"MLflow {duration(p['setup_s'])}, Tune's loop {duration(p['tune_s'])}, "
+            f"MLflow {duration(p['setup_s'])}, Tune's loop {duration(p['tune_s'])}{ready}, "
             f"finalists, ensemble and report {duration(p['finish_s'])}")
+
+
+def first_ready_s(bests: Iterable[dict[str, float]], tune_started_at: float) -> float | None:
+    """Seconds into Tune's loop at which the first of its trials had its Trainer ready
+    (``time/entered_at`` + ``time/startup_s`` of their reports): how long the loop waited
+    for its first worker to start.  None where no trial entered within this loop (the
+    trials of an earlier search or run have earlier entries)."""
+    ready = [b["time/entered_at"] + b["time/startup_s"] - tune_started_at for b in bests
+             if "time/startup_s" in b and b.get("time/entered_at", 0.0) >= tune_started_at]
+    return min(ready) if ready else None
 
 
 def counted(n: int, noun: str) -> str:
@@ -187,7 +200,8 @@ class SearchSummary:
     extends: ExtensionSummary | None = None
     # the command's wall clock: started_at, tune_started_at, tune_ended_at (Unix seconds);
     # data_s (load, tokenise), setup_s (Ray, resources, MLflow parent run), tune_s
-    # (Tune's loop), finish_s (finalists, ensemble, report, to this summary), total_s
+    # (Tune's loop), finish_s (finalists, ensemble, report, to this summary), total_s;
+    # first_ready_s (seconds into Tune's loop when the first trial's Trainer was ready)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
