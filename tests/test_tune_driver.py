@@ -267,6 +267,8 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
     assert parent.data.tags["best_trial_id"] == s["best_trial"]["trial_id"]
     assert parent.data.metrics["best/val/overall"] == pytest.approx(
         s["best_trial"]["val"]["val/overall"])
+    for part in ("data_s", "setup_s", "tune_s", "first_ready_s", "finish_s", "total_s"):
+        assert parent.data.metrics[f"time/{part}"] == pytest.approx(s["phases"][part])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"summary.json", "summary.md", "report"} <= artifacts
 

@@ -230,6 +230,9 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
             **phases, "finish_s": now - phases["tune_ended_at"],
             "total_s": now - phases["started_at"],
             **({"first_ready_s": ready} if ready is not None else {})})
+        # the wall time's parts beside the scores, to compare searches in MLflow
+        tracker.log_metrics(parent_run, {f"time/{k}": v for k, v in summary.phases.items()
+                                         if k.endswith("_s")})
     trials = known_trials(settings, records, summary, complete, stored)
     for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown()),
                        (TRIALS_FILE, trials_document(settings.experiment, parent_run,
