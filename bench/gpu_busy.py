@@ -50,11 +50,15 @@ def read_samples(path: Path) -> list[Sample]:
     return samples
 
 
-def tune_loop(path: Path) -> tuple[float, float]:
+def tune_loop(path: Path) -> tuple[float, float, float | None]:
+    """Tune's loop in a summary.json: its start and end (Unix seconds) and how far into it
+    the first trial was ready (``first_ready_s``; None in summaries without it)."""
     try:
         phases = json.loads(path.read_text(encoding="utf-8"))["phases"]
-        return float(phases["tune_started_at"]), float(phases["tune_ended_at"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        ready = phases.get("first_ready_s")
+        return (float(phases["tune_started_at"]), float(phases["tune_ended_at"]),
+                None if ready is None else float(ready))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"error: {path}: expected a search's summary.json with "
                          f"phases.tune_started_at and tune_ended_at ({exc!r})") from None
 
@@ -89,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("summary_json", type=Path)
     args = p.parse_args(argv)
     samples = read_samples(args.util_csv)
-    start, end = tune_loop(args.summary_json)
-    ready = json.loads(args.summary_json.read_text(encoding="utf-8"))["phases"].get(
-        "first_ready_s")  # absent from older summaries
+    start, end, ready = tune_loop(args.summary_json)
     print(f"Tune's loop: {end - start:.0f} s" + (
         f", the first trial ready {ready:.0f} s into it" if ready is not None else ""))
     for gpu in sorted({s.gpu for s in samples}):

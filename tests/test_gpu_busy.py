@@ -37,7 +37,9 @@ def test_only_the_loop_s_samples_count(tmp_path, capsys):
     # 2 samples before the loop (0 %), 8 inside, the last one after it (0 %)
     percents = [0, 0, 100, 99, 95, 90, 40, 10, 30, 100, 0]
     util, summary = write(tmp_path, percents)
-    b = gpu_busy.busy(gpu_busy.read_samples(util), *gpu_busy.tune_loop(summary))
+    start, end, ready = gpu_busy.tune_loop(summary)
+    assert ready is None  # a summary without first_ready_s
+    b = gpu_busy.busy(gpu_busy.read_samples(util), start, end)
     inside = percents[2:10]
     assert b["samples"] == 8 and b["mean"] == pytest.approx(sum(inside) / 8)
     assert b["at_90"] == pytest.approx(5 / 8) and b["at_50"] == pytest.approx(5 / 8)
