@@ -138,9 +138,9 @@ def restore_checkpoint(checkpoint_dir: Path, parts: TrainingParts, cfg: TrainCon
             if part == "lr_scheduler":
                 take_configured_lrs(holder, configured_lrs)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-        holder = HEADS_FILE if part == "model" else STATE_FILE
+        held_in = HEADS_FILE if part == "model" else STATE_FILE
         raise state_mismatch(checkpoint_dir, cfg, PART_NAMES.get(part, part), exc,
-                             checkpoint_dir / holder) from None
+                             checkpoint_dir / held_in) from None
     try:
         for t, batcher in parts.batchers.items():
             batcher.load_state_dict(state["batchers"][t])
