@@ -53,11 +53,9 @@ class TrainingParts:
 
     def state(self) -> dict[str, Any]:
         """Their states (the weights apart), as ``state.pt`` holds them."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "loss_combiner": self.loss_combiner.state_dict(),
-                "regulariser": (self.regulariser.state_dict() if self.regulariser is not None
-                                else {}),
+        holders = {part: getattr(self, part) for part in PART_NAMES}  # no regulariser: None
+        return {**{part: holder.state_dict() if holder is not None else {}
+                   for part, holder in holders.items()},
                 "batchers": {t: b.state_dict() for t, b in self.batchers.items()}}
 
 
