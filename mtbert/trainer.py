@@ -93,15 +93,19 @@ def next_eval_point(seen: int, every: int, growth: float = 1.0) -> int:
 class Trainer:
     def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
-                 model: MultitaskModel | None = None, checkpoints: bool = True):
+                 model: MultitaskModel | None = None, checkpoints: bool = True,
+                 stop_requested: Callable[[], bool] | None = None):
         """``checkpoints=False``: evaluations write no ``out_dir/checkpoint`` unless a
-        ``report`` callback takes it (for callers that never resume, e.g. benchmarks)."""
+        ``report`` callback takes it (for callers that never resume, e.g. benchmarks).
+        ``stop_requested``: asked after every step; True stops :meth:`fit` there with
+        ``SystemExit(0)``, as a stop from Ray's report does."""
         setup_started = time.perf_counter()
         self.cfg = cfg
         self.data = data
         self.out_dir = Path(out_dir)
         self.report = report
         self.checkpoints = checkpoints
+        self.stop_requested = stop_requested
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
         self.static_max_length, graphs = step_shapes(cfg, self.device, data.max_length)
@@ -323,6 +327,8 @@ class Trainer:
                 self.timings["train_s"] += time.perf_counter() - step_started
                 self.step_in_epoch += 1
                 self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
+                if self.stop_requested is not None and self.stop_requested():
+                    raise SystemExit(0)
                 self._maybe_log()
                 if cfg.eval_every and self.examples_seen >= self.next_eval:
                     self.next_eval = next_eval_point(self.examples_seen, cfg.eval_every,

@@ -221,7 +221,8 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         if checkpoint is not None:
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
         try:
-            trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from)
+            trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from,
+                              stop_requested=worker_exit.exit_requested)
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at

@@ -14,9 +14,17 @@ checkpoints.
 So a trial marks when it starts (:func:`trial_started`) and when its thread is off the
 GPU (:func:`off_the_gpu`: every queued kernel finished; called where the thread parks
 for the process to end, and where the trial returns or raises), and the process's exit
-waits for that mark, at most :data:`EXIT_WAIT_S` (the stopped thread notices the stop
-at its next step: milliseconds from graphs, an evaluation at most), then waits for the
-device itself.  Without CUDA in use nothing waits.
+waits for that mark, at most :data:`EXIT_WAIT_S`, then waits for the device itself.
+Without CUDA in use nothing waits.
+
+The thread must also learn that it is to stop.  A stop that Tune sends while the trial's
+report is in flight reaches it through that report (``SystemExit`` at its next step);
+but Tune also stops trials between their reports (the promoting scheduler ends, on one
+trial's result, the others it will never promote: 5 at once in that search), and such a
+thread would only learn of it at its next evaluation, stepping through the whole exit.
+So the exit first marks that it has begun (:func:`exit_requested`, which the trainer
+asks after every step), and the thread stops at its next step: milliseconds from
+graphs, an evaluation at most.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ EXIT_WAIT_S = 30.0
 
 _off_gpu = threading.Event()
 _off_gpu.set()
+_exit_begun = threading.Event()
 _registered = False
 
 
@@ -48,12 +57,18 @@ def off_the_gpu() -> None:
     _off_gpu.set()
 
 
+def exit_requested() -> bool:
+    """Whether this process's exit has begun: its trial thread should stop now."""
+    return _exit_begun.is_set()
+
+
 def wait_before_exit(timeout: float = EXIT_WAIT_S, gpu: bool | None = None) -> bool:
     """(atexit) Wait for the trial thread to be off the GPU, then for the device; False
     where the thread did not get there in ``timeout`` seconds.  ``gpu``: whether this
     process uses CUDA (default: torch says)."""
     if not (_cuda_in_use() if gpu is None else gpu):
         return True
+    _exit_begun.set()  # the trial thread stops at its next step (exit_requested)
     done = _off_gpu.wait(timeout)
     if not done:
         print(f"[mtbert] the trial thread was still on the GPU {timeout:g} s into the "
