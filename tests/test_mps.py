@@ -64,6 +64,10 @@ with open({str(log)!r}, "a") as f:
     f.write(json.dumps({{"args": sys.argv[1:], "pipe": pipe,
                          "pipe_exists": os.path.isdir(pipe),
                          "log": os.environ.get("{mps.LOG_ENV}", ""), "stdin": stdin}}) + "\\n")
+log_folder = os.environ.get("{mps.LOG_ENV}", "")
+if os.path.isdir(log_folder):  # as the daemon logs: a line per command, in control.log
+    with open(os.path.join(log_folder, "control.log"), "a") as f:
+        f.write(f"control {{sys.argv[1:]}} {{stdin.strip()}}\\n")
 if {exit_status}:
     print("cannot start the MPS daemon", file=sys.stderr)
 sys.exit({exit_status})
@@ -101,6 +105,19 @@ def test_a_daemon_of_the_search_is_started_named_to_the_workers_and_stopped(tmp_
     assert [(c["args"], c["stdin"], c["pipe"]) for c in stopped] == [([], "quit\n", pipe)]
     assert not Path(pipe).parent.exists()  # its temporary folder is gone
     assert mps.PIPE_ENV not in os.environ  # the driver's own CUDA stays outside MPS
+
+
+def test_the_daemon_s_logs_are_kept_where_the_search_asks(tmp_path, monkeypatch, capsys):
+    _stand_in(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    keep = tmp_path / "experiment" / mps.MPS_LOG_FOLDER / "20261127-080419"
+    with mps.cuda_mps("auto", None, None, have_gpu=True, keep_logs=keep) as use:
+        assert not keep.exists()  # copied once the daemon has stopped
+    assert (keep / "control.log").read_text().splitlines() == [
+        "control ['-d'] ", "control [] quit"]
+    assert not Path(use.worker_env[mps.LOG_ENV]).exists()
+    assert f"the MPS daemon's logs: {keep} (control.log)" in capsys.readouterr().out
 
 
 def test_the_daemon_is_stopped_when_the_search_fails(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
                                         ui_links)
-from mtbert.tune.mps import cuda_mps, local_gpu
+from mtbert.tune.mps import MPS_LOG_FOLDER, cuda_mps, local_gpu
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
@@ -47,8 +47,10 @@ def run(settings: SearchSettings) -> int:
     phases["data_s"] = time.time() - phases["started_at"]
     settings = settings.resolved_for(sum(data.train_sizes().values()))
     # MPS outside Ray: its daemon stops only once Ray's workers, its clients, are gone
+    mps_logs = settings.location.exp_dir / MPS_LOG_FOLDER / time.strftime(
+        "%Y%m%d-%H%M%S", time.gmtime(phases["started_at"]))  # one folder per run (--resume)
     with cuda_mps(settings.mps, settings.address, settings.gpus_per_trial,
-                  settings.mps != "off" and local_gpu(settings.address)) as mps, \
+                  settings.mps != "off" and local_gpu(settings.address), mps_logs) as mps, \
             ray_session(settings.address, mps.worker_env):
         for line in dashboard_lines():
             print(f"[tune] {line}", flush=True)

@@ -7,10 +7,13 @@ When the driver starts Ray on this machine, ``--mps auto`` (the default) starts 
 control daemon of its own for the search: its pipe and log folders in a new temporary
 folder, named to Ray's workers through the job's ``runtime_env`` (so only the search's
 trials join it; no GPU setting changes, the compute mode stays as it is), and stops it
-once Ray is shut down.  A daemon already named by ``CUDA_MPS_PIPE_DIRECTORY`` is used as
-it is.  ``auto`` leaves MPS off where it cannot help or cannot start (no GPU here, one
-trial per GPU, a cluster's nodes: ``--address``, no ``nvidia-cuda-mps-control``) and says
-why; ``on`` makes each of those an error; ``off`` never starts one.
+once Ray is shut down, keeping its logs (``control.log``, ``server.log``: each client's
+connection and exit, and what ended the MPS server if it died) in the experiment's
+``mps_log/`` folder (one subfolder per run, named by its UTC start).  A daemon already
+named by ``CUDA_MPS_PIPE_DIRECTORY`` is used as it is.  ``auto`` leaves MPS off where it
+cannot help or cannot start (no GPU here, one trial per GPU, a cluster's nodes:
+``--address``, no ``nvidia-cuda-mps-control``) and says why; ``on`` makes each of those
+an error; ``off`` never starts one.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 from mtbert.errors import ConfigError
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+#: the experiment's folder of the daemon's logs, one subfolder per run of the search (UTC)
+MPS_LOG_FOLDER = "mps_log"
 CHOICES = ("auto", "on", "off")
 #: seconds the control commands may take (``-d`` forks and returns at once)
 CONTROL_TIMEOUT_S = 30.0
@@ -79,9 +85,10 @@ def mps_reason_off(choice: str, address: str | None, gpus_per_trial: float | Non
 
 @contextlib.contextmanager
 def cuda_mps(choice: str, address: str | None, gpus_per_trial: float | None,
-             have_gpu: bool) -> Iterator[MpsUse]:
+             have_gpu: bool, keep_logs: Path | None = None) -> Iterator[MpsUse]:
     """MPS for one search (see the module's text): yields what Ray's workers need and the
-    note; a daemon started here is stopped when the block ends, however it ends."""
+    note; a daemon started here is stopped when the block ends, however it ends, and its
+    log files are copied to ``keep_logs`` (a folder made for them)."""
     if os.environ.get(PIPE_ENV) and choice != "off":
         yield MpsUse(f"on: the daemon at {PIPE_ENV}={os.environ[PIPE_ENV]} (not started here)")
         return
@@ -111,6 +118,24 @@ def cuda_mps(choice: str, address: str | None, gpus_per_trial: float | None,
             yield MpsUse(f"on: a daemon of this search's own ({PIPE_ENV}={env[PIPE_ENV]})", env)
         finally:
             _control(control, [], env, stdin="quit\n")
+            if keep_logs is not None:
+                _keep_logs(Path(env[LOG_ENV]), keep_logs)
+
+
+def _keep_logs(log_folder: Path, keep: Path) -> None:
+    """Copy the daemon's log files to ``keep``; say where (or why not) on the console."""
+    files = sorted(p for p in log_folder.iterdir() if p.is_file())
+    if not files:
+        return
+    try:
+        keep.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            shutil.copyfile(path, keep / path.name)
+    except OSError as exc:
+        print(f"[tune] could not keep the MPS daemon's logs in {keep}: {exc}", flush=True)
+        return
+    print(f"[tune] the MPS daemon's logs: {keep} ({', '.join(p.name for p in files)})",
+          flush=True)
 
 
 def _control(control: str, args: list[str], env: dict[str, str],
