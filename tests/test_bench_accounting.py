@@ -432,3 +432,22 @@ def test_worker_start_times_each_stage_of_processes_started_together(tmp_path, c
         assert r["ready_s"] >= sum(r["stages"].values()) > 0
         assert r["packages"]["torch"] > 0.1
     assert "the last ready after" in capsys.readouterr().out
+
+
+def test_mps_exit_reads_the_fatal_errors_of_a_real_mps_server_log():
+    """bench/mps_exit.py counts the MPS server's fatal GPU errors: the server.log kept by
+    the full search on one H200 (2026-11-27) has one, client 3214's."""
+    bench = load("mps_exit")
+    log = Path(__file__).resolve().parents[1] / "docs/gpu_h200/worker_exit_check/run2_mps_server.log"
+    assert bench.fatal_gpu_errors(log.read_text()) == [("2026-11-27 08:33:54.303", 3214)]
+    assert bench.fatal_gpu_errors("[2026-11-27 08:33:38.091 Server  1575] Client "
+                                  "{PID: 3216, Context ID: 1} exiting.") == []
+
+
+def test_mps_exit_needs_a_cuda_gpu(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: the bench would run")
+    assert load("mps_exit").main(["--device", "cuda", "--leavers", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: bench/mps_exit.py needs a CUDA GPU (--device cuda)")

@@ -119,8 +119,9 @@ def test_the_default_command_runs_the_full_search_then_the_checks():
     checks = gb.REPO / "tools" / "gpu_checks.sh"
     text = checks.read_text(encoding="utf-8")
     order = [text.index(s) for s in ("python tune_driver.py --space smart --budget full",
-                                     "bench/throughput.py", "python bench/trial_reuse.py")]
+                                     "mps_log/", "python bench/mps_exit.py")]
     assert order == sorted(order)
+    assert (gb.REPO / "bench" / "mps_exit.py").is_file()
     subprocess.run(["bash", "-n", str(checks)], check=True)
 
 
