@@ -11,8 +11,10 @@ forward, backward and a capturable AdamW step under bf16 autocast) for as long a
 lasts, while ``--leavers`` processes, one after another, capture the same step, replay it
 ``--replays`` times and leave as ``--mode`` says:
 
-* ``clean``   -- synchronise, then exit with the graph and its memory still held (what a
-  trial's worker does since the worker-exit fix);
+* ``clean``   -- synchronise, then exit with the graph and its memory still held by a
+  module-level reference, so that they go in the interpreter's and the CUDA context's
+  teardown (what a trial's worker does since the worker-exit fix: its kept step,
+  ``mtbert.graph_reuse``, and the parked thread's trainer are never freed before);
 * ``release`` -- synchronise, reset the graph, free the cached memory, then exit;
 * ``kill``    -- SIGKILL while replaying (the fault known from 2026-11-27: the control).
 
@@ -37,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("clean", "release", "kill")
+#: a leaver's graph in ``clean`` mode: held to the process's end, as a worker's kept step
+KEPT: list = []
 #: the MPS server's line for a client's fatal GPU error (its server.log)
 FATAL = re.compile(r"^\[(?P<at>[\d-]+ [\d:.]+) Server +\d+\] Client \{PID: (?P<pid>\d+), "
                    r"Context: \d+\} encountered a fatal GPU error")
@@ -49,13 +53,14 @@ def fatal_gpu_errors(server_log: str) -> list[tuple[str, int]]:
 
 def captured_step():
     """One training step of a transformer layer captured as a CUDA graph (after warm-up
-    on a side stream, as torch.cuda.graphs' documentation has it)."""
+    on a side stream, as torch.cuda.graphs' documentation has it), and what it uses."""
     import torch
     model = torch.nn.TransformerEncoderLayer(384, 6, 1536, batch_first=True).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
     batch = torch.randn(32, 64, 384, device="cuda")
 
     def step():
+        optimizer.zero_grad(set_to_none=False)  # captured too: a replay's own gradients
         with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
             loss = model(batch).float().square().mean()
         loss.backward()
@@ -64,20 +69,19 @@ def captured_step():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            optimizer.zero_grad(set_to_none=False)
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph
+    return graph, (model, optimizer, batch)  # the tensors the graph reads and writes
 
 
 def run_role(role: str, mode: str, replays: int, stop_file: Path) -> int:
     """A child process: ``survivor`` replays until ``stop_file`` appears; ``leaver``
     replays ``replays`` times and leaves as ``mode`` says.  Prints one JSON line."""
     import torch
-    graph = captured_step()
+    graph, uses = captured_step()
     torch.cuda.synchronize()
     print("READY", flush=True)
     done, error = 0, None
@@ -93,9 +97,11 @@ def run_role(role: str, mode: str, replays: int, stop_file: Path) -> int:
         error = str(exc).splitlines()[0]
     if role == "leaver" and mode == "release":
         graph.reset()
-        del graph
+        del graph, uses
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    else:
+        KEPT.append((graph, uses))
     print("RESULT " + json.dumps({"role": role, "replays": done, "error": error}), flush=True)
     return 1 if error else 0
 
