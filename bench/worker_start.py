@@ -97,13 +97,14 @@ def start_processes(count: int, device: str, model: str) -> list[dict]:
             running.append((out, err, subprocess.Popen(
                 [sys.executable, "-X", "importtime", "-c", WORKER, repr(time.time()), device,
                  model], cwd=REPO, env=env, stdout=out, stderr=err, text=True)))
-        results = []
-        for out, err, process in running:
+        for _, _, process in running:  # all of them, so that none outlives a failed one
             process.wait()
-            results.append(_finished(process.returncode, out, err))
-            out.close()
-            err.close()
-    return results
+        try:
+            return [_finished(process.returncode, out, err) for out, err, process in running]
+        finally:
+            for out, err, _ in running:
+                out.close()
+                err.close()
 
 
 def _finished(returncode: int, out, err) -> dict:
