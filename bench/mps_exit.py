@@ -77,12 +77,28 @@ def captured_step():
     return graph, (model, optimizer, batch)  # the tensors the graph reads and writes
 
 
-def run_role(role: str, mode: str, replays: int, stop_file: Path) -> int:
+class StandInStep:
+    """``--stand-in``: a "graph" replayed on the CPU, so that this script's processes, their
+    hand-shakes and its table can be checked where no GPU is (tests/test_bench_accounting)."""
+
+    def __init__(self):
+        import torch
+        self.state = torch.ones(64, 64)
+
+    def replay(self) -> None:
+        self.state.mul_(1.0)
+
+    def reset(self) -> None:
+        self.state = None
+
+
+def run_role(role: str, mode: str, replays: int, stop_file: Path, stand_in: bool) -> int:
     """A child process: ``survivor`` replays until ``stop_file`` appears; ``leaver``
     replays ``replays`` times and leaves as ``mode`` says.  Prints one JSON line."""
     import torch
-    graph, uses = captured_step()
-    torch.cuda.synchronize()
+    graph, uses = (StandInStep(), ()) if stand_in else captured_step()
+    synchronize = (lambda: None) if stand_in else torch.cuda.synchronize
+    synchronize()
     print("READY", flush=True)
     done, error = 0, None
     try:
@@ -91,15 +107,15 @@ def run_role(role: str, mode: str, replays: int, stop_file: Path) -> int:
             graph.replay()
             done += 1
             if done % 50 == 0:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
+                synchronize()
+        synchronize()
     except RuntimeError as exc:  # the fault reaches a survivor as a CUDA error (or SIGSEGV)
         error = str(exc).splitlines()[0]
     if role == "leaver" and mode == "release":
         graph.reset()
         del graph, uses
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        synchronize()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never used
     else:
         KEPT.append((graph, uses))
     print("RESULT " + json.dumps({"role": role, "replays": done, "error": error}), flush=True)
@@ -108,7 +124,8 @@ def run_role(role: str, mode: str, replays: int, stop_file: Path) -> int:
 
 def spawn(role: str, args, stop_file: Path, env: dict[str, str]) -> subprocess.Popen:
     command = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--mode",
-               args.mode, "--replays", str(args.replays), "--stop-file", str(stop_file)]
+               args.mode, "--replays", str(args.replays), "--stop-file", str(stop_file),
+               *(["--stand-in"] if args.stand_in else [])]
     return subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -168,18 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mps", action="store_true", help="the same without an MPS daemon")
     p.add_argument("--role", choices=("survivor", "leaver"), help=argparse.SUPPRESS)
     p.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:
-        return run_role(args.role, args.mode, args.replays, args.stop_file)
+        return run_role(args.role, args.mode, args.replays, args.stop_file, args.stand_in)
     import torch
-    if args.device != "cuda" or not torch.cuda.is_available():
+    if not args.stand_in and (args.device != "cuda" or not torch.cuda.is_available()):
         print("error: bench/mps_exit.py needs a CUDA GPU (--device cuda)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))
     from mtbert.tune.mps import cuda_mps
+    mps_choice = "off" if args.no_mps or args.stand_in else "on"
     with tempfile.TemporaryDirectory(prefix="mtbert-mps-exit-") as folder:
         logs = Path(folder) / "mps_log"
-        with cuda_mps("off" if args.no_mps else "on", None, 0.5, True, keep_logs=logs) as mps:
+        with cuda_mps(mps_choice, None, 0.5, True, keep_logs=logs) as mps:
             print(f"MPS {mps.note}; mode {args.mode}", flush=True)
             result = run_trial(args, mps.worker_env, Path(folder))
         server = logs / "server.log"

@@ -43,6 +43,8 @@ INTEGRATION_TESTS = {
         "starts a local Ray",
     "test_bench_accounting.py::test_worker_start_times_each_stage_of_processes_started_together":
         "two processes importing Ray, torch and transformers",
+    "test_bench_accounting.py::test_mps_exit_runs_its_processes_and_reads_their_results":
+        "five processes importing torch",
     "test_pretrain.py::test_two_processes_racing_share_one_result":
         "two spawned processes pre-train and race for the cache",
     "test_trainer.py::test_cli_writes_the_contracted_files": "a python -m mtbert.train process",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -451,3 +452,18 @@ def test_mps_exit_needs_a_cuda_gpu(capsys):
     assert load("mps_exit").main(["--device", "cuda", "--leavers", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: bench/mps_exit.py needs a CUDA GPU (--device cuda)")
+
+
+def test_mps_exit_runs_its_processes_and_reads_their_results(capsys):
+    """The bench's processes on CPU stand-ins (no GPU, no MPS): survivors replay while each
+    leaver comes, replays and is killed (``--mode kill``), then stop and report."""
+    bench = load("mps_exit")
+    assert bench.main(["--stand-in", "--survivors", "2", "--leavers", "3", "--replays", "20",
+                       "--pause-s", "0.1", "--mode", "kill"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "MPS off: --mps off; mode kill"
+    for index, line in enumerate(lines[1:3]):
+        replays = int(re.fullmatch(rf"survivor {index}: (\d+) replays, error: None", line)[1])
+        assert replays > 0
+    assert lines[3] == ("mode kill: 3 of 3 leavers left; 0 of 2 survivors failed; fatal GPU "
+                        "errors in the MPS server's log: 0 []")
