@@ -22,6 +22,6 @@ for f in /tmp/ray_results/smart-full-graphs/mps_log/*/*.log; do
   [ -f "$f" ] && cp "$f" "$OUT/mps_$(basename "$f")"
 done
 for mode in clean release; do
-  echo "=== $(date +%T) python bench/mps_exit.py --device cuda --mode $mode --leavers 8"
-  timeout 90 python bench/mps_exit.py --device cuda --mode "$mode" --leavers 8
+  echo "=== $(date +%T) python bench/mps_exit.py --device cuda --mode $mode --leavers 6"
+  timeout 120 python bench/mps_exit.py --device cuda --mode "$mode" --leavers 6
 done
