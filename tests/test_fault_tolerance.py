@@ -213,6 +213,11 @@ def test_worker_node_lost_mid_trial_resumes_from_checkpoint(tmp_path, tiny_model
     assert set(by_trial) == ray_ids
     run = by_trial[killed_trial]
     assert run.info.status == "FINISHED" and int(run.data.tags["retries"]) >= 1
+    # the summary and the parent run count the restored trial (only the killed one was)
+    assert summary["counts"]["restored"] == 1, summary["counts"]
+    assert parents[0].data.metrics["trials_restored"] == 1
+    assert "1 of the trials had their worker fail and were restored" in (
+        exp_dir / "summary.md").read_text()
     steps = _metric_points(db, run.info.run_id)
     # Ray's result log may also lose the reports from before the node's death (one CI run:
     # only 100, 146, 194 after a restore at iteration 2); MLflow's history, logged as the

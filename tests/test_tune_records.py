@@ -218,6 +218,26 @@ def test_trials_a_scheduler_made_unnecessary_are_not_needed_not_missing(tmp_path
     assert s.console_table().splitlines()[-1].endswith("1 errored, 2 not needed)")
 
 
+def test_trials_ray_restored_after_a_worker_failure_are_counted(tmp_path, summary_inputs):
+    """The tracker's retries reach each record; the summary counts the trials restored
+    (one restored twice, one failed for good after a retry) and says so."""
+    own = tmp_path / "restored"
+    results = [_ray_result(own, "a", [0.40, 0.52], config={"lr": 1e-4, "dropout": 0.1}),
+               _ray_result(own, "b", [0.45], config={"lr": 2e-4, "dropout": 0.1}),
+               _ray_result(own, "d", [], error=RuntimeError("worker died"),
+                           config={"lr": 3e-4, "dropout": 0.1})]
+    records = collect_trials(results, MAX, RUNGS, ended={"a", "b", "d"},
+                             retries={"a": 2, "d": 1})
+    assert {r.trial_id: r.retries for r in records} == {"a": 2, "b": 0, "d": 1}
+    _, ranking, dev_of, ensemble, report = summary_inputs
+    s = build_summary(_settings(tmp_path), records, ranked(records), dev_of, ensemble,
+                      report, MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False)
+    assert s.counts.restored == 2 and json.loads(s.to_json())["counts"]["restored"] == 2
+    assert "2 of the trials had their worker fail and were restored" in s.markdown()
+    assert s.console_table().splitlines()[-1].endswith(
+        "1 errored, 2 never started, 2 restored after a worker failure)")
+
+
 def test_interrupted_summary_and_public_paths(tmp_path, summary_inputs):
     records, ranking, dev_of, ensemble, report = summary_inputs
     records[1].status = TrialStatus.INTERRUPTED

@@ -56,8 +56,8 @@ class MlflowTrialCallback(Callback):
                                                          "node_ids": ",".join(nodes)})
 
     def on_trial_recover(self, iteration, trials, trial, **info):
-        run_id = self._run_for(trial)
-        self.tracker.set_tags(run_id, {"retries": trial.num_failures})
+        self._run_for(trial)
+        self.tracker.note_retry(trial.trial_id, trial.num_failures)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._run_for(trial)

@@ -188,7 +188,8 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     exp_dir = location.exp_dir
     records = collect_trials(grid, budget.max_examples, budget.rungs(),
                              ended=set(tracker.ended_trials()),
-                             ended_before=tracker.ended_before_resume())
+                             ended_before=tracker.ended_before_resume(),
+                             retries=tracker.retries())
     close_unended_runs(tracker, records)
     inherited = settings.extends.joint_records() if settings.extends else []
     ranking = ranked(records + inherited)

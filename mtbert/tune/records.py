@@ -132,6 +132,7 @@ class TrialRecord:
     error: str = ""
     mlflow_run_id: str | None = None
     origin: str = ""                 # the search it trained in, if an earlier one (--extend)
+    retries: int = 0                 # times its worker failed and Ray restored it (--max-failures)
 
     @property
     def best_score(self) -> float:
@@ -142,7 +143,7 @@ class TrialRecord:
 def trial_record(trial_id: str, name: str, config: dict[str, Any],
                  history: list[dict[str, Any]], checkpoints: Iterable[tuple[str, dict]],
                  last_examples_seen: int, error: str | None, max_examples: int,
-                 rungs: list[int], ended: bool = True) -> TrialRecord:
+                 rungs: list[int], ended: bool = True, retries: int = 0) -> TrialRecord:
     """One trial from what its run left: the evaluation history (Ray's result rows), its
     checkpoints with their metrics, the last reported examples seen and its error text."""
     rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
@@ -162,7 +163,7 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
         trial_id=trial_id, name=name, config=dict(config), history=rows, best=best,
         best_checkpoint=best_path, examples_seen=seen, rung_reached=rung_reached(seen, rungs),
         status=trial_status(seen, max_examples, errored=error is not None, ended=ended),
-        error=summarize_error(error) if error is not None else "")
+        error=summarize_error(error) if error is not None else "", retries=retries)
 
 
 def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -179,7 +180,8 @@ def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]
 
 def collect_trials(result_grid, max_examples: int, rungs: list[int],
                    ended: set[str] | None = None,
-                   ended_before: dict[str, dict[str, str]] | None = None) -> list[TrialRecord]:
+                   ended_before: dict[str, dict[str, str]] | None = None,
+                   retries: dict[str, int] | None = None) -> list[TrialRecord]:
     """One :class:`TrialRecord` per trial of a Ray ``ResultGrid`` (or list of ``Result``).
 
     ``ended``: the trials Tune reported as ended (the driver's tracker records each end);
@@ -188,7 +190,8 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
     ``ended_before``: trials that had ended (not failed) before a ``--resume``, with the
     tags of their end.  Ray may replay such a trial from a snapshot older than its end and
     fail to restore a checkpoint deleted since ("does not exist on storage anymore"): that
-    error is the replay's, not the trial's, which keeps the end it had."""
+    error is the replay's, not the trial's, which keeps the end it had.  ``retries``: how
+    often each trial's worker failed and Ray restored it (the driver's tracker counts)."""
     records = []
     for result in result_grid:
         tid = _trial_id_of(result)
@@ -206,7 +209,8 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
             history = df[keep].to_dict("records")
         records.append(trial_record(
             tid, Path(result.path).name, result.config or {}, history, _checkpoints(result),
-            last_seen, error, max_examples, rungs, ended=ended is None or tid in ended))
+            last_seen, error, max_examples, rungs, ended=ended is None or tid in ended,
+            retries=(retries or {}).get(tid, 0)))
     return records
 
 

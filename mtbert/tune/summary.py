@@ -37,6 +37,9 @@ class Counts:
     # searcher once its first rung has promoted its share (none sampled later could be
     # promoted); the search is complete without them
     not_needed: int = 0
+    # trials whose worker failed (a node lost, a process killed, a GPU fault) and that Ray
+    # restored from their last checkpoint at least once (--max-failures)
+    restored: int = 0
 
 
 def duration(seconds: float) -> str:
@@ -73,6 +76,10 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+#: summary.md's line on ``Counts.restored`` trials
+RESTORED_LINE = ("{n} of the trials had their worker fail and were restored from their last "
+                 "checkpoint by Ray (`--max-failures`; each trial's MLflow run has a "
+                 "`retries` tag)")
 #: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
 NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share (or its deciding "
                      "rung's), and no trial started later could have been promoted")
@@ -88,7 +95,8 @@ def count_trials(records: list[TrialRecord], num_samples: int,
                   errored=by.count(TrialStatus.ERROR),
                   interrupted=by.count(TrialStatus.INTERRUPTED),
                   not_started=0 if ended_sampling else left,
-                  not_needed=left if ended_sampling else 0)
+                  not_needed=left if ended_sampling else 0,
+                  restored=sum(1 for r in records if r.retries))
 
 
 @dataclass(frozen=True)
@@ -348,6 +356,8 @@ def _markdown(s: SearchSummary) -> str:
     if c.not_needed:
         lines += [f"{c.not_needed} of the trials asked for were not sampled: "
                   f"{NOT_NEEDED_REASON}.", ""]
+    if c.restored:
+        lines += [f"{RESTORED_LINE.format(n=c.restored)}.", ""]
     lines += _extension_lines(s.extends, c.trials)
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -440,6 +450,8 @@ def _console_table(s: SearchSummary) -> str:
         tail += f", {c.not_started} never started"
     if c.not_needed:
         tail += f", {c.not_needed} not needed"
+    if c.restored:
+        tail += f", {c.restored} restored after a worker failure"
     lines.append(f"trials: {c.trials} ({c.completed} completed, {c.stopped_early} "
                  f"stopped early by ASHA, {c.errored} errored{tail})")
     origins = sorted({t.origin for t in s.top_trials if t.origin})

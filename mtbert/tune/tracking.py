@@ -213,6 +213,18 @@ class SearchTracker:
         self.log_params(run_id, params)
         return run_id
 
+    def note_retry(self, trial_id: str, failures: int) -> None:
+        """Ray restored the trial after its worker failed, for the ``failures``-th time."""
+        child = self.state["children"][trial_id]
+        child["retries"] = int(failures)
+        self.save()
+        self.set_tags(child["run_id"], {"retries": int(failures)})
+
+    def retries(self) -> dict[str, int]:
+        """``{trial_id: times restored after its worker failed}`` of the trials that were."""
+        return {tid: c["retries"] for tid, c in self.state.get("children", {}).items()
+                if c.get("retries")}
+
     def mark_running(self, trial_id: str) -> None:
         """A trial (re)starts: a run closed before a crash/restore is RUNNING again."""
         if self.frozen(trial_id):
