@@ -1,8 +1,7 @@
 """How busy the GPU was during Tune's loop: ``python bench/gpu_busy.py UTIL_CSV SUMMARY_JSON``.
 
 ``UTIL_CSV`` is what ``TZ=UTC nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used
---format=csv,noheader -l 5`` wrote beside a search (``gpu_util.csv`` of a lent GPU's call 2,
-docs/gpu_h100/README.md); ``SUMMARY_JSON`` is that search's ``summary.json``, whose
+--format=csv,noheader -l 5`` wrote beside a search (``gpu_util.csv``); ``SUMMARY_JSON`` is that search's ``summary.json``, whose
 ``phases`` give Tune's loop (``tune_started_at`` to ``tune_ended_at``, Unix seconds).
 nvidia-smi's utilisation is the share of each sample period in which some kernel ran (not
 how full the GPU was).  Printed: the loop's length and when its first trial was ready

@@ -10,7 +10,7 @@ seconds, the seconds of its first ``--first-steps`` schedule steps (where eager 
 steps and captures fall), the steady examples/s after them, and the graphs captured and
 kept; then the mean setup + first steps per trial of each sequence, and what keeping saved.
 
-    python bench/trial_reuse.py --device cuda --model /tmp/minilm --trials 4
+    python bench/trial_reuse.py --device cuda --model <model> --trials 4
 
 On a CPU the step runs eager and nothing is kept (both sequences build their own).
 """

@@ -20,7 +20,7 @@ import seconds by top-level package (self time: a package's own module bodies). 
 a row of stage seconds per process (``ready``: spawned -> all stages done) and the
 slowest process's import seconds by package.
 
-    python bench/worker_start.py --processes 8 --device cuda --model /tmp/minilm
+    python bench/worker_start.py --processes 8 --device cuda --model <model>
 """
 
 from __future__ import annotations

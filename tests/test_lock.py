@@ -65,7 +65,7 @@ def test_the_lock_pins_the_cpu_torch_and_not_the_project():
 
 
 def test_lock_lines_drop_the_project_editables_and_build_labels():
-    frozen = ["# Editable Git install with no remote (mtbert-tune==0.1.0)", "-e /work/main",
+    frozen = ["# Editable Git install with no remote (mtbert-tune==0.1.0)", "-e /srv/mtbert-tune",
               "torch==2.13.0+cpu", "Zeta_pkg==1.0", "alpha==2.0", "mtbert_tune==0.1.0",
               "beta @ file:///tmp/beta.whl"]
     assert lock_lines(frozen) == ["alpha==2.0", "torch==2.13.0", "Zeta_pkg==1.0"]

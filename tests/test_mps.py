@@ -186,11 +186,11 @@ def test_mps_on_without_a_gpu_exits_2_before_anything_starts(tmp_path):
 
 @pytest.mark.integration
 def test_ray_workers_get_the_search_s_environment():
-    """``ray_session``'s ``worker_env`` reaches a local Ray's tasks and actors (Tune's
+    """``ray_for_search``'s ``worker_env`` reaches a local Ray's tasks and actors (Tune's
     trials are actors) through the job's runtime_env, and not the driver's environment."""
     code = """
 import os, ray
-from mtbert.tune.cluster import ray_session
+from mtbert.tune.cluster import ray_for_search
 
 @ray.remote
 def task():
@@ -201,7 +201,7 @@ class Actor:
     def read(self):
         return os.environ.get("MTBERT_MPS_PROBE")
 
-with ray_session(None, {"MTBERT_MPS_PROBE": "pipe-here"}):
+with ray_for_search(None, {"MTBERT_MPS_PROBE": "pipe-here"}):
     print(ray.get(task.remote()), ray.get(Actor.remote().read.remote()),
           os.environ.get("MTBERT_MPS_PROBE"))
 """

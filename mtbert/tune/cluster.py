@@ -44,12 +44,12 @@ def start_local_ray(dashboard: bool = True, **kwargs):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, worker_env: dict[str, str] | None = None
-                ) -> Iterator[None]:
-    """Ray for the search: the session already open in this process, the cluster at
+def ray_for_search(address: str | None, worker_env: dict[str, str] | None = None
+                   ) -> Iterator[None]:
+    """Ray for the search: the Ray already started in this process, the cluster at
     ``address``, or a new local one -- shut down at the end if this call started it.
     ``worker_env``: environment variables of the job's workers (Ray's ``runtime_env``), for
-    a session this call starts."""
+    a Ray this call starts."""
     import ray
     started = not ray.is_initialized()
     if started:

@@ -22,7 +22,7 @@ from mtbert.tune import finalists as fin
 from mtbert.tune import work_folders
 from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
 from mtbert.tune.extension import TRIALS_FILE, KnownTrial, trials_document
-from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_session
+from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_for_search
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
                                         log_trial_results, runs_view_key, share_runs_view,
@@ -51,7 +51,7 @@ def run(settings: SearchSettings) -> int:
         "%Y%m%d-%H%M%S", time.gmtime(phases["started_at"]))  # one folder per run (--resume)
     with cuda_mps(settings.mps, settings.address, settings.gpus_per_trial,
                   settings.mps != "off" and local_gpu(settings.address), mps_logs) as mps, \
-            ray_session(settings.address, mps.worker_env):
+            ray_for_search(settings.address, mps.worker_env):
         for line in dashboard_lines():
             print(f"[tune] {line}", flush=True)
         plan = plan_resources(settings.cpus_per_trial, settings.gpus_per_trial,
