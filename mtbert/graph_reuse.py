@@ -7,8 +7,8 @@ SMART teacher's tensors, and -- as 0-d device tensors -- the dropout rate and SM
 ε and μ (:mod:`mtbert.dropout_rate`, :meth:`mtbert.smart.SmartRegulariser.hold_in_tensors`).
 When a trainer ends (its budget spent, stopped by the scheduler, or diverged) it leaves
 those here (:func:`keep`); the next trainer in the process whose settings differ only in
-what the graphs do not hold (:data:`NOT_CAPTURED`, the tensor values, the SMART terms'
-values but not which are on) takes them (:func:`take`): it copies its own initial weights
+what the graphs do not hold (:data:`mtbert.config.NOT_IN_STEP_GRAPHS`, the tensor values,
+the SMART terms' values but not which are on) takes them (:func:`take`): it copies its own initial weights
 into the kept model and its rates into the tensors, in place, builds its own optimizer,
 LR schedule and data order, and replays the kept task graphs from its first step
 (the optimizer's graphs, whose AdamW state is new, are captured again after two eager
@@ -24,31 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: settings a kept step takes from the next run: run and data settings, what only the
-#: optimizer's graph (captured anew) or the host loop reads, what changes the initial
-#: weights only, the batch sizes (a new shape gets a graph of its own), and the values
-#: the graphs read from tensors (``dropout``; SMART's λ_t, ε, μ -- whether each term is
-#: on stays part of the structure)
-NOT_CAPTURED = frozenset({
-    "data_dir", "cache_dir", "val_fraction", "split_seed", "max_train_per_task",
-    "max_eval_per_task", "bad_row_tolerance", "length_bucketing", "bucket_batches",
-    "epochs", "max_examples", "steps_per_epoch", "schedule", "round_robin_mode",
-    "eval_batch_size", "eval_batch_tokens", "eval_every", "eval_at_start", "eval_growth",
-    "eval_dev", "threads", "progress", "seed",
-    "lr", "head_lr_multiplier", "weight_decay", "lr_schedule", "warmup_ratio",
-    "warmup_examples", "decay_ratio", "max_grad_norm", "smart_beta",
-    "pretrain", "pretrain_examples", "pretrain_lr", "pretrain_batch_size", "simcse_temp",
-    "cosine_fit_rows",
-    "batch_size", "batch_size_sst", "batch_size_qqp", "batch_size_sts",
-    "dropout", "smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts", "smart_eps",
-    "smart_mu",
-})
+from mtbert.config import NOT_IN_STEP_GRAPHS
 
 
 def structure(cfg) -> tuple:
     """What a run's captured task graphs are built from: every setting outside
-    :data:`NOT_CAPTURED`, and which SMART terms are on."""
-    fixed = tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k not in NOT_CAPTURED))
+    :data:`~mtbert.config.NOT_IN_STEP_GRAPHS`, and which SMART terms are on."""
+    fixed = tuple(sorted((k, v) for k, v in cfg.to_dict().items()
+                         if k not in NOT_IN_STEP_GRAPHS))
     terms = tuple((t, cfg.smart_lambda(t) > 0) for t in ("sst", "qqp", "sts"))
     return fixed + (("smart_terms", terms), ("smart_mu_on", cfg.smart_mu > 0))
 

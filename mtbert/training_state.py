@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from mtbert.config import TrainConfig, coerce_value, read_yaml_file
+from mtbert.config import RESUME_MAY_CHANGE, TrainConfig, coerce_value, read_yaml_file
 from mtbert.errors import ConfigError, DataError, MtbertError, first_line
 
 STATE_FILE = "state.pt"
@@ -305,11 +305,6 @@ class CheckpointWriter:
         self._taken.set()
 
 
-#: settings that never change the shape of the saved state (a resume may change them)
-RUN_SETTINGS = ("data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
-                "eval_dev", "device", "threads", "progress")
-
-
 def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str, exc: BaseException,
                    state_file: Path | None = None) -> MtbertError:
     """The error for a checkpoint whose ``part`` state (in ``state_file``, default its
@@ -331,7 +326,7 @@ def state_mismatch(checkpoint_dir: Path, cfg: TrainConfig, part: str, exc: BaseE
                 pass
             if value != current[key]:
                 differ.append((key, value))
-    shaping = [d for d in differ if d[0] not in RUN_SETTINGS] or differ
+    shaping = [d for d in differ if d[0] not in RESUME_MAY_CHANGE] or differ
     reason = f"the {part} state does not fit: {first_line(exc)}"
     if not shaping:
         return DataError(f"{state_file}: {reason}; {STATE_EXPECTED} with this config",

@@ -51,10 +51,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
+from mtbert.config import PERTURBED
 from mtbert.errors import ConfigError
 from mtbert.tune.budgets import Budget
 from mtbert.tune.records import DEFAULT_RUNG_METRIC
-from mtbert.tune.trial_config import MUTABLE_KEYS
 
 #: the default search: promoting ASHA (deciding on its ``default_rung_metric``) + Optuna's
 #: independent TPE, what bench/search_efficiency.py ranks first among the pairs it measured
@@ -247,13 +247,13 @@ class _Population(SchedulerChoice):
         self.mutations(space)
 
     def mutations(self, space) -> dict[str, Any]:
-        """What it perturbs: each of :data:`MUTABLE_KEYS` the space samples, over the
-        space's own values; ConfigError where there is none."""
+        """What it perturbs: each of :data:`~mtbert.config.PERTURBED` the space samples,
+        over the space's own values; ConfigError where there is none."""
         out = self._mutations(space)
         if not out:
             what = "as a range" if self.name == "pb2" else ""
             raise ConfigError(f"--scheduler {self.name}: the space {space.name} samples none of "
-                              f"{', '.join(MUTABLE_KEYS)} {what}: nothing to perturb (use "
+                              f"{', '.join(PERTURBED)} {what}: nothing to perturb (use "
                               "--scheduler asha, or a space that searches them)"
                               .replace("  ", " "))
         return out
@@ -264,7 +264,7 @@ class _Population(SchedulerChoice):
     @staticmethod
     def _sampled(space):
         """(key, param) of each mutable key the space samples (not as integers)."""
-        for key in MUTABLE_KEYS:
+        for key in PERTURBED:
             p = space.searched.get(key)
             if p is not None and p.dist != "randint":
                 yield key, p

@@ -35,27 +35,10 @@ from pathlib import Path
 from typing import Any
 
 
-from mtbert.config import (TrainConfig, check_value, coerce_value, field_kind, field_range,
-                           read_yaml_file)
+from mtbert.config import (DATA_PER_SEARCH, RUN_PER_SEARCH, TrainConfig, check_value,
+                           coerce_value, field_kind, field_range, read_yaml_file)
 from mtbert.errors import ConfigError
 
-#: fields that shape the tokenised data: one value per search (set by the driver)
-DATA_FIELDS = {
-    "model": "--model", "data_dir": "--data-dir", "cache_dir": "$MTBERT_CACHE",
-    "max_length": "the driver (data is tokenised once per search)",
-    "max_train_per_task": "--budget", "max_eval_per_task": "--budget",
-    "val_fraction": "the driver (the validation split is fixed per search)",
-    "split_seed": "the driver (the validation split is fixed per search)",
-    "bad_row_tolerance": "the driver (data is read once per search)",
-}
-#: fields that the budget or the driver owns
-RUN_FIELDS = {
-    "epochs": "--budget", "max_examples": "--budget", "eval_every": "--budget",
-    "eval_growth": "--budget",
-    "eval_at_start": "the driver (every trial's curve starts at 0 examples)",
-    "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
-    "threads": "--cpus-per-trial", "progress": "the driver",
-}
 DISTRIBUTIONS = ("choice", "uniform", "quniform", "loguniform", "randint", "fixed")
 SPACE_KEYS = ("description", "params")
 
@@ -217,11 +200,12 @@ def _parse_param(path: Path, key: str, spec: Any) -> Param:
     where = f"{path}: {key}"
     if key not in TrainConfig.field_names():
         raise SpaceError(f"{where}: unknown trainer config key (see mtbert/config.py)", key=key)
-    if key in DATA_FIELDS:
+    if key in DATA_PER_SEARCH:
         raise SpaceError(f"{where}: cannot be searched: it shapes the tokenised data, which is "
-                         f"fixed per search (set it with {DATA_FIELDS[key]})", key=key)
-    if key in RUN_FIELDS:
-        raise SpaceError(f"{where}: cannot be searched: it is set by {RUN_FIELDS[key]}", key=key)
+                         f"fixed per search (set it with {DATA_PER_SEARCH[key]})", key=key)
+    if key in RUN_PER_SEARCH:
+        raise SpaceError(f"{where}: cannot be searched: it is set by {RUN_PER_SEARCH[key]}",
+                         key=key)
     if not isinstance(spec, dict):
         if isinstance(spec, list):
             raise SpaceError(f"{where}: a bare list is ambiguous; {_FORMAT_HINT}", key=key)

@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mtbert.config import PERTURBED
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune import work_folders, worker_exit
 from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
-from mtbert.tune.trial_config import MUTABLE_KEYS, trial_config
+from mtbert.tune.trial_config import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
 
@@ -200,7 +201,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     startup: dict[str, float] = {}
     # what PBT / PB2 may change between a trial's evaluations, as this run trains with it
     # (MLflow params are written once, at the trial's start)
-    perturbable = {f"config/{k}": getattr(cfg, k) for k in MUTABLE_KEYS}
+    perturbable = {f"config/{k}": getattr(cfg, k) for k in PERTURBED}
 
     def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions

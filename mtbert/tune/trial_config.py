@@ -12,10 +12,6 @@ from typing import Any
 from mtbert.config import TrainConfig
 from mtbert.errors import ConfigError
 
-#: what PBT / PB2 perturb, where the space samples it; other keys are sampled once (a
-#: trial reports their current values as ``config/<key>``: trainable.py)
-MUTABLE_KEYS = ("lr", "dropout", "smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts")
-
 
 def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:
     """A trial's TrainConfig: the base values, then its sampled ones (never scoring dev:

@@ -1,0 +1,100 @@
+"""The roles a TrainConfig field plays for the search, the step graphs and a resume are
+in the field's own metadata (mtbert/config.py), and the lists of them are derived there:
+no other module of the package keeps a list of field names of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from mtbert import config
+from mtbert.config import TrainConfig
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
+FIELDS = set(TrainConfig.field_names())
+
+
+def test_the_fields_that_shape_the_tokenised_data():
+    """What spaces.py refuses to search, and what sets each instead."""
+    assert config.DATA_PER_SEARCH == {
+        "model": "--model", "data_dir": "--data-dir", "cache_dir": "$MTBERT_CACHE",
+        "max_length": "the driver (data is tokenised once per search)",
+        "max_train_per_task": "--budget", "max_eval_per_task": "--budget",
+        "val_fraction": "the driver (the validation split is fixed per search)",
+        "split_seed": "the driver (the validation split is fixed per search)",
+        "bad_row_tolerance": "the driver (data is read once per search)",
+    }
+
+
+def test_the_fields_the_budget_or_the_driver_sets():
+    assert config.RUN_PER_SEARCH == {
+        "epochs": "--budget", "max_examples": "--budget", "eval_every": "--budget",
+        "eval_growth": "--budget",
+        "eval_at_start": "the driver (every trial's curve starts at 0 examples)",
+        "eval_dev": "the driver (trials never score dev)", "device": "--gpus-per-trial",
+        "threads": "--cpus-per-trial", "progress": "the driver",
+    }
+
+
+def test_the_fields_a_kept_step_takes_from_the_next_run():
+    assert config.NOT_IN_STEP_GRAPHS == frozenset({
+        "data_dir", "cache_dir", "val_fraction", "split_seed", "max_train_per_task",
+        "max_eval_per_task", "bad_row_tolerance", "length_bucketing", "bucket_batches",
+        "epochs", "max_examples", "steps_per_epoch", "schedule", "round_robin_mode",
+        "eval_batch_size", "eval_batch_tokens", "eval_every", "eval_at_start", "eval_growth",
+        "eval_dev", "threads", "progress", "seed",
+        "lr", "head_lr_multiplier", "weight_decay", "lr_schedule", "warmup_ratio",
+        "warmup_examples", "decay_ratio", "max_grad_norm", "smart_beta",
+        "pretrain", "pretrain_examples", "pretrain_lr", "pretrain_batch_size", "simcse_temp",
+        "cosine_fit_rows",
+        "batch_size", "batch_size_sst", "batch_size_qqp", "batch_size_sts",
+        "dropout", "smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts", "smart_eps",
+        "smart_mu",
+    })
+
+
+def test_the_fields_pbt_perturbs_in_their_order():
+    """The order is Ray's: it draws each field's change in turn."""
+    assert config.PERTURBED == ("lr", "dropout", "smart_lambda_sst", "smart_lambda_qqp",
+                                "smart_lambda_sts")
+
+
+def test_the_fields_a_resume_may_change():
+    assert config.RESUME_MAY_CHANGE == frozenset({
+        "data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
+        "eval_dev", "device", "threads", "progress"})
+
+
+def field_name_lists(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """The module-level assignments of ``path`` whose value is a collection (tuple, list,
+    set, frozenset, a dict's keys) of two or more strings, every one a TrainConfig field."""
+    found = []
+    for stmt in ast.parse(path.read_text(encoding="utf-8")).body:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+            continue
+        for node in ast.walk(stmt.value):
+            items = (node.keys if isinstance(node, ast.Dict)
+                     else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+                     else None)
+            if items is None or len(items) < 2:
+                continue
+            if all(isinstance(i, ast.Constant) and i.value in FIELDS for i in items):
+                found.append(f"{path.relative_to(root).as_posix()}:{stmt.lineno}")
+                break
+    return found
+
+
+def test_no_module_but_config_lists_fields_by_name():
+    lists = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "config.py"
+             for hit in field_name_lists(path)]
+    assert lists == []
+
+
+def test_the_check_finds_a_list_of_fields(tmp_path):
+    module = tmp_path / "mtbert" / "m.py"
+    module.parent.mkdir()
+    module.write_text('A = ("lr", "dropout")\nB = frozenset({"seed", "epochs"})\n'
+                      'C = {"model": "--model", "data_dir": "--data-dir"}\n'
+                      'D = ("lr", "budget")\nE = ("lr",)\n', encoding="utf-8")
+    assert field_name_lists(module, tmp_path) == ["mtbert/m.py:1", "mtbert/m.py:2",
+                                                  "mtbert/m.py:3"]
