@@ -193,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         from mtbert.config import TrainConfig
         base = TrainConfig().__dict__
     from mtbert.errors import MtbertError
+    from mtbert.tasks import TASK_NAMES
     try:
         data = load_full_data(base, args.data_dir)
     except MtbertError as exc:  # bad data folder or model: one line, exit 2, nothing written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     sizes = {t: {s: len(data.split(t, s)) for s in ("train", "val", "dev")}
-             for t in ("sst", "qqp", "sts")}
+             for t in TASK_NAMES}
     print(f"[quality] rows: {sizes}", flush=True)
     t0 = time.perf_counter()
     result: dict = {"rows": sizes, "zero_shot": zero_shot(data), "report_004_dev": REPORT_004_DEV}

@@ -31,6 +31,7 @@ import torch
 
 from mtbert.config import TrainConfig
 from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows
+from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
 from throughput import synchronize
 
@@ -126,7 +127,7 @@ def padding(args) -> dict:
     print(f"padded tokens / real tokens, batches of {args.batch_size}, length-bucketed")
     print(f"{'task':4} {'encoding':8} " + " ".join(f"{name:>18}" for name in LADDERS))
     for pair_encoding in ("cross", "siamese"):
-        for task in ("sst", "qqp", "sts"):
+        for task in TASK_NAMES:
             encoding = encoding_for(task, pair_encoding)
             if task == "sst" and pair_encoding == "siamese":
                 continue

@@ -45,12 +45,10 @@ from mtbert.config import TrainConfig, parse_set_args
 from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
 from mtbert.losses import task_loss
+from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-
-TASKS = ("sst", "qqp", "sts")
-
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -137,7 +135,7 @@ def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, result
     examples, flops, s0, s1 = run(plan[warmup:], count_syncs=True)
     after = graphs.stats.as_metrics() if graphs is not None else {}
     barrier.wait()
-    rows = sum(len(data.split(t, "val")) for t in TASKS)
+    rows = sum(len(data.split(t, "val")) for t in TASK_NAMES)
     timings = []
     for _ in range(2):  # first pass: eval shapes warm up / compile; second: steady
         synchronize(device)
@@ -334,7 +332,7 @@ def bench_tasks(args, peak: float) -> None:
     print(f"{'task':5} {'runner':28} {'ex/s':>7} {'GFLOP/s':>8} {'MFU':>6}")
     results = {}
     skip_hf = args.skip_hf or device.type != "cpu"
-    for task in TASKS:
+    for task in TASK_NAMES:
         torch.manual_seed(0)
         trainer = Trainer(cfg, data, Path(tempfile.gettempdir()) / "mtbert-bench", checkpoints=False)
         for bucketing in (True, False):
@@ -354,7 +352,7 @@ def bench_tasks(args, peak: float) -> None:
                   flush=True)
     if not skip_hf:
         print("\nspeed-up of mtbert bucketed over:")
-        for task in TASKS:
+        for task in TASK_NAMES:
             ours = results[(task, "mtbert bucketed")]
             print(f"  {task}: HF default {ours / results[(task, 'HF Trainer default')]:.2f}x, "
                   f"HF group_by_length {ours / results[(task, 'HF Trainer group_by_length')]:.2f}x")

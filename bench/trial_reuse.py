@@ -40,8 +40,8 @@ VARIED = [dict(seed=0, lr=5e-5, dropout=0.1, smart_eps=1e-3, smart_mu=0.5, scale
 def trial_config(base: dict, index: int) -> TrainConfig:
     varied = dict(VARIED[index % len(VARIED)])
     scale = varied.pop("scale")
-    lambdas = {f"smart_lambda_{t}": base.get(f"smart_lambda_{t}", 1.0) * scale
-               for t in ("sst", "qqp", "sts")}
+    lambdas = {name: base.get(name, 1.0) * scale
+               for name in ("smart_lambda_sst", "smart_lambda_qqp", "smart_lambda_sts")}
     return TrainConfig.from_dict({**base, **lambdas, **varied})
 
 

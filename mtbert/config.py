@@ -21,8 +21,6 @@ import yaml
 
 from mtbert.errors import ConfigError
 
-TASKS = ("sst", "qqp", "sts")
-
 #: the largest value of an integer field without its own bound (int64: what torch and
 #: numpy take as a seed or a count)
 INT_MAX = 2**63 - 1
@@ -305,10 +303,13 @@ class TrainConfig:
         return TrainConfig.from_dict({**self.to_dict(), **changes})
 
     def task_batch_size(self, task: str) -> int:
-        return getattr(self, f"batch_size_{task}") or self.batch_size
+        own = {"sst": self.batch_size_sst, "qqp": self.batch_size_qqp,
+               "sts": self.batch_size_sts}[task]
+        return own or self.batch_size
 
     def smart_lambda(self, task: str) -> float:
-        return getattr(self, f"smart_lambda_{task}")
+        return {"sst": self.smart_lambda_sst, "qqp": self.smart_lambda_qqp,
+                "sts": self.smart_lambda_sts}[task]
 
     def validate(self) -> None:
         for f in fields(self):

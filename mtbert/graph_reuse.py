@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtbert.config import NOT_IN_STEP_GRAPHS
+from mtbert.tasks import TASK_NAMES
 
 
 def structure(cfg) -> tuple:
@@ -32,7 +33,7 @@ def structure(cfg) -> tuple:
     :data:`~mtbert.config.NOT_IN_STEP_GRAPHS`, and which SMART terms are on."""
     fixed = tuple(sorted((k, v) for k, v in cfg.to_dict().items()
                          if k not in NOT_IN_STEP_GRAPHS))
-    terms = tuple((t, cfg.smart_lambda(t) > 0) for t in ("sst", "qqp", "sts"))
+    terms = tuple((t, cfg.smart_lambda(t) > 0) for t in TASK_NAMES)
     return fixed + (("smart_terms", terms), ("smart_mu_on", cfg.smart_mu > 0))
 
 

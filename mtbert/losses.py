@@ -24,6 +24,7 @@ from torch import nn
 
 from mtbert.config import TrainConfig
 from mtbert.model import COSINE_MAPS, TaskOutput
+from mtbert.tasks import TASK_NAMES
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -124,7 +125,7 @@ class FixedCombiner(LossCombiner):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        self.weights = {t: getattr(cfg, f"w_{t}") for t in ("sst", "qqp", "sts")}
+        self.weights = {"sst": cfg.w_sst, "qqp": cfg.w_qqp, "sts": cfg.w_sts}
 
     def weighted(self, losses):
         return {t: self.weights[t] * loss for t, loss in losses.items()}
@@ -136,7 +137,7 @@ class UncertaintyCombiner(LossCombiner):
     0 so the start is exactly the plain sum. ``s`` holds them as ``nn.Parameter`` s; the
     trainer puts them in their own optimizer group without weight decay."""
 
-    def __init__(self, cfg: TrainConfig | None = None, tasks: tuple[str, ...] = ("sst", "qqp", "sts")):
+    def __init__(self, cfg: TrainConfig | None = None, tasks: tuple[str, ...] = TASK_NAMES):
         super().__init__(cfg)
         self.s = nn.ParameterDict({t: nn.Parameter(torch.zeros(())) for t in tasks})
 

@@ -56,6 +56,7 @@ from mtbert.config import TrainConfig
 from mtbert.data import MultitaskData, _pad, collate, default_cache_dir, encoding_for
 from mtbert.dropout_rate import RateDropout
 from mtbert.losses import task_loss
+from mtbert.tasks import TASK_NAMES
 
 CACHE_VERSION = "1"
 STAGES = ("simcse", "simcse_sup", "qqp")
@@ -93,7 +94,7 @@ def simcse_sentences(data: MultitaskData) -> list[np.ndarray]:
     """Every distinct sentence (token row [CLS] .. [SEP]) of the three training splits."""
     seen: set[bytes] = set()
     out = []
-    for task in ("sst", "qqp", "sts"):
+    for task in TASK_NAMES:
         tokens = data.splits[task]["train"].tokens
         for column in (tokens.a, tokens.b):
             if column is None:
@@ -152,7 +153,7 @@ def _split_fingerprint(h, split) -> None:
 def data_fingerprint(stage: str, data: MultitaskData) -> str:
     """Hash of the token ids, labels and row ids of the training rows ``stage`` reads."""
     h = hashlib.sha256()
-    tasks = ("sst", "qqp", "sts") if stage == "simcse" else ("qqp",)
+    tasks = TASK_NAMES if stage == "simcse" else ("qqp",)
     for task in tasks:
         h.update(task.encode())
         _split_fingerprint(h, data.splits[task]["train"])

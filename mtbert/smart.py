@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from mtbert.config import TASKS, TrainConfig
+from mtbert.config import TrainConfig
 from mtbert.data import ROW_WEIGHTS
 from mtbert.losses import weighted_mean
 from mtbert.model import TaskOutput
+from mtbert.tasks import TASK_NAMES
 
 _TINY = 1e-12
 
@@ -150,7 +151,7 @@ class SmartSettings:
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> SmartSettings:
-        return cls(lambdas={t: float(cfg.smart_lambda(t)) for t in TASKS},
+        return cls(lambdas={t: float(cfg.smart_lambda(t)) for t in TASK_NAMES},
                    eps=float(cfg.smart_eps),
                    noise_std=math.sqrt(cfg.smart_noise),  # smart_noise is the variance σ²
                    steps=int(cfg.smart_steps), step_size=float(cfg.smart_step_size),
@@ -342,6 +343,6 @@ class SmartRegulariser:
 
 def build_regulariser(cfg: TrainConfig, model) -> SmartRegulariser | None:
     """None when every λ and μ are 0: the trainer then adds nothing (the plain loss)."""
-    if all(cfg.smart_lambda(t) == 0 for t in TASKS) and cfg.smart_mu == 0:
+    if all(cfg.smart_lambda(t) == 0 for t in TASK_NAMES) and cfg.smart_mu == 0:
         return None
     return SmartRegulariser(cfg, model)

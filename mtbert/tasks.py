@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TASK_NAMES = ("sst", "qqp", "sts")
-
-
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
@@ -59,3 +56,5 @@ TASKS: dict[str, TaskSpec] = {
         prediction_column="Predicted_Similarity",
     ),
 }
+#: the tasks' names, in order: the one list of them
+TASK_NAMES: tuple[str, ...] = tuple(TASKS)

@@ -1,16 +1,20 @@
-"""The roles a TrainConfig field plays for the search, the step graphs and a resume are
-in the field's own metadata (mtbert/config.py), and the lists of them are derived there:
-no other module of the package keeps a list of field names of its own."""
+"""One place for each fact: the roles a TrainConfig field plays for the search, the step
+graphs and a resume are in the field's own metadata (mtbert/config.py) and the lists of
+them are derived there, no other module of the package keeps a list of field names of its
+own; the tasks are listed in mtbert/tasks.py alone; and a field's name is written out
+where it is used, never built from pieces (so a search for the name finds every use)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from mtbert import config
 from mtbert.config import TrainConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
+BENCH = PACKAGE.parent / "bench"
 FIELDS = set(TrainConfig.field_names())
 
 
@@ -98,3 +102,52 @@ def test_the_check_finds_a_list_of_fields(tmp_path):
                       'D = ("lr", "budget")\nE = ("lr",)\n', encoding="utf-8")
     assert field_name_lists(module, tmp_path) == ["mtbert/m.py:1", "mtbert/m.py:2",
                                                   "mtbert/m.py:3"]
+
+
+def _sources(*roots: Path):
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            yield path, ast.parse(path.read_text(encoding="utf-8"))
+
+
+def task_lists(path: Path, tree: ast.AST) -> list[str]:
+    """Where ``tree`` writes the three task names out as a tuple, list or set."""
+    tasks = {"sst", "qqp", "sts"}
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            and {getattr(e, "value", None) for e in node.elts} == tasks
+            and len(node.elts) == len(tasks)]
+
+
+def test_no_module_but_tasks_lists_the_tasks():
+    assert [hit for path, tree in _sources(PACKAGE, BENCH) if path != PACKAGE / "tasks.py"
+            for hit in task_lists(path, tree)] == []
+
+
+def built_field_names(path: Path, tree: ast.AST) -> list[str]:
+    """The f-strings of ``tree`` that can build a TrainConfig field's name
+    (``f"smart_lambda_{task}"``): their text, a placeholder standing for any word,
+    matches a field's whole name."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.JoinedStr):
+            continue
+        text = "".join(v.value if isinstance(v, ast.Constant) else "" for v in node.values)
+        pattern = re.compile("".join(re.escape(v.value) if isinstance(v, ast.Constant)
+                                     else r"\w+" for v in node.values))
+        if re.search("[a-z]", text) and any(pattern.fullmatch(f) for f in FIELDS):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_field_name_is_built_from_pieces():
+    assert [hit for path, tree in _sources(PACKAGE, BENCH)
+            for hit in built_field_names(path, tree)] == []
+
+
+def test_the_checks_find_a_task_list_and_a_built_name():
+    tree = ast.parse('T = ("sst", "qqp", "sts")\nU = ["sts", "sst", "qqp"]\nV = ("sst", "qqp")\n'
+                     'a = getattr(cfg, f"smart_lambda_{t}")\nb = f"train/loss_{t}"\n'
+                     'c = f"{t}"\n')
+    assert task_lists(Path("m.py"), tree) == ["m.py:1", "m.py:2"]
+    assert built_field_names(Path("m.py"), tree) == ['m.py:4: f\'smart_lambda_{t}\'']
