@@ -1,4 +1,4 @@
-"""How busy the GPU was during Tune's loop: ``python bench/gpu_busy.py UTIL_CSV SUMMARY_JSON``.
+"""How busy the GPU was during Tune's loop: ``python -m bench.gpu_busy UTIL_CSV SUMMARY_JSON``.
 
 ``UTIL_CSV`` is what ``TZ=UTC nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used
 --format=csv,noheader -l 5`` wrote beside a search (``gpu_util.csv``); ``SUMMARY_JSON`` is that search's ``summary.json``, whose

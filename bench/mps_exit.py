@@ -1,5 +1,5 @@
 """Does a CUDA MPS client that leaves fault the clients still replaying CUDA graphs?
-``python bench/mps_exit.py --device cuda``.
+``python -m bench.mps_exit --device cuda``.
 
 In the full search on one H200 (docs/bench/step_graphs.md, 2026-11-27) the trials still
 training died together 0.17 s after another trial's worker process exited cleanly: the
@@ -21,7 +21,7 @@ lasts, while ``--leavers`` processes, one after another, capture the same step, 
 Printed: the leavers that left, each survivor's replays and error (if it died), and the
 fatal GPU errors in the MPS server's log.  ``--no-mps`` runs the same without a daemon.
 
-    python bench/mps_exit.py --device cuda --mode clean --survivors 3 --leavers 8
+    python -m bench.mps_exit --device cuda --mode clean --survivors 3 --leavers 8
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO
+
 MODES = ("clean", "release", "kill")
 #: a leaver's graph in ``clean`` mode: held to the process's end, as a worker's kept step
 KEPT: list = []
@@ -123,7 +124,7 @@ def run_role(role: str, mode: str, replays: int, stop_file: Path, stand_in: bool
 
 
 def spawn(role: str, args, stop_file: Path, env: dict[str, str]) -> subprocess.Popen:
-    command = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--mode",
+    command = [sys.executable, "-m", "bench.mps_exit", "--role", role, "--mode",
                args.mode, "--replays", str(args.replays), "--stop-file", str(stop_file),
                *(["--stand-in"] if args.stand_in else [])]
     return subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, text=True,
@@ -193,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.stand_in and (args.device != "cuda" or not torch.cuda.is_available()):
         print("error: bench/mps_exit.py needs a CUDA GPU (--device cuda)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO))
     from mtbert.tune.mps import cuda_mps
     mps_choice = "off" if args.no_mps or args.stand_in else "on"
     with tempfile.TemporaryDirectory(prefix="mtbert-mps-exit-") as folder:

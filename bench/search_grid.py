@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from search_methods import DROPOUTS, LAMBDAS
+from bench.search_methods import DROPOUTS, LAMBDAS
 
 
 def grid_analysis(grids: dict[int, dict]) -> dict | None:

@@ -9,10 +9,10 @@ import json
 import math
 from pathlib import Path
 
-from search_grid import first_rung_spread, grid_analysis
-from search_methods import DEFAULT_METHOD, METHODS, SAME, SAME_DEFAULTS
-from search_runs import this_machine
-from search_stats import FIGURES, TARGETS, curve, rank_methods, summarise
+from bench.search_grid import first_rung_spread, grid_analysis
+from bench.search_methods import DEFAULT_METHOD, METHODS, SAME, SAME_DEFAULTS
+from bench.search_runs import this_machine
+from bench.search_stats import FIGURES, TARGETS, curve, rank_methods, summarise
 
 
 def _fmt(stat: dict, digits: int = 2) -> str:

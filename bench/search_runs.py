@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mtbert.tune.choices import SCHEDULERS
 from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
-from search_methods import (DROPOUTS, LAMBDAS, METHODS, SAME, SOFT, SPACES, bench_base,
+from bench.search_methods import (DROPOUTS, LAMBDAS, METHODS, SAME, SOFT, SPACES, bench_base,
                             bench_budget)
 
 

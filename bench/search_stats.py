@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from search_methods import METHODS
+from bench.search_methods import METHODS
 
 
 def _examples_at(trial: dict, t: float) -> float:

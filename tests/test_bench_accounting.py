@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from bench_modules import load_bench as load
+from bench import (mps_exit, overhead, quality, search_efficiency, search_grid, search_methods,
+                   search_report, search_stats, step_shapes, worker_start)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,27 +19,27 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def se():
     """The command line and runs.json."""
-    return load("search_efficiency")
+    return search_efficiency
 
 
 @pytest.fixture(scope="module")
 def methods():
-    return load("search_methods")
+    return search_methods
 
 
 @pytest.fixture(scope="module")
 def stats():
-    return load("search_stats")
+    return search_stats
 
 
 @pytest.fixture(scope="module")
 def grid_stats():
-    return load("search_grid")
+    return search_grid
 
 
 @pytest.fixture(scope="module")
 def report():
-    return load("search_report")
+    return search_report
 
 
 def two_trials():
@@ -227,12 +228,11 @@ def test_first_rung_spread(grid_stats):
 
 
 def test_overhead_trial_split_adds_up_to_the_wall_time():
-    oh = load("overhead")
     reports = [{"pid": 7, "timestamp": 160, "examples_seen": 500, "time/entered_at": 103.0,
                 "time/startup_s": 4.0, "time/setup_s": 2.5, "time/train_s": 40.0,
                 "time/eval_s": 8.0, "time/checkpoint_s": 1.0, "time/cpu_s": 90.0}]
     actors = {7: {"pid": 7, "requested": 100.0, "ready": 101.0, "end": 160.0}}
-    (row,) = oh.trial_table({"trial_x": reports}, actors)
+    (row,) = overhead.trial_table({"trial_x": reports}, actors)
     assert row["wall_s"] == pytest.approx(60.0)
     assert row["launch_s"] == pytest.approx(3.0)
     parts = ("launch_s", "startup_s", "train_s", "eval_s", "ckpt_s", "rest_s")
@@ -240,13 +240,12 @@ def test_overhead_trial_split_adds_up_to_the_wall_time():
     assert row["rest_s"] == pytest.approx(60 - 3 - 4 - 40 - 8 - 1)
     assert row["share"] == pytest.approx(48 / 60)
     # a trial whose actor Ray no longer lists is left out, not guessed
-    assert oh.trial_table({"trial_y": [{**reports[0], "pid": 8}]}, actors) == []
+    assert overhead.trial_table({"trial_y": [{**reports[0], "pid": 8}]}, actors) == []
 
 
 def test_overhead_per_checkpoint_figures():
     """Bytes and seconds per checkpoint from a trial's last report; the stall's share of
     the training time the trial would take at 5,000 examples/s."""
-    oh = load("overhead")
     base = {"pid": 7, "timestamp": 160, "time/entered_at": 103.0, "time/startup_s": 4.0,
             "time/setup_s": 2.5, "time/train_s": 40.0, "time/eval_s": 8.0}
     reports = [{**base, "examples_seen": 0, "checkpoint_dir_name": None},
@@ -256,8 +255,8 @@ def test_overhead_per_checkpoint_figures():
                 "checkpoint_bytes": 2 * 300 * 2**20, "time/checkpoint_write_s": 1.5,
                 "time/report_s": 0.8}]
     actors = {7: {"pid": 7, "requested": 100.0, "ready": 101.0, "end": 160.0}}
-    (row,) = oh.trial_table({"t": reports}, actors)
-    f = oh.checkpoint_figures(row)
+    (row,) = overhead.trial_table({"t": reports}, actors)
+    f = overhead.checkpoint_figures(row)
     assert f["checkpoints"] == 2 and f["mib"] == pytest.approx(300)
     assert f["write_s"] == pytest.approx(0.75) and f["report_s"] == pytest.approx(0.4)
     assert f["stall_s"] == pytest.approx(0.1)  # 2 reports before the last
@@ -265,22 +264,22 @@ def test_overhead_per_checkpoint_figures():
     # a trainer that reports no checkpoint figures: unknown, not zero
     old = [{k: v for k, v in r.items() if k in base or k in ("examples_seen",
             "checkpoint_dir_name", "time/checkpoint_s")} for r in reports]
-    assert oh.checkpoint_figures(oh.trial_table({"t": old}, actors)[0])["mib"] is None
+    (old_row,) = overhead.trial_table({"t": old}, actors)
+    assert overhead.checkpoint_figures(old_row)["mib"] is None
 
 
 def test_quality_threshold_maximises_accuracy_and_table_marks_missing_cells():
     import numpy as np
-    q = load("quality")
     scores = np.array([0.1, 0.4, 0.35, 0.8, 0.9, 0.6])
     gold = np.array([0, 0, 1, 1, 1, 0])
-    cut = q.best_threshold(scores, gold)
+    cut = quality.best_threshold(scores, gold)
     # sorted: 0.1(0) 0.35(1) 0.4(0) 0.6(0) 0.8(1) 0.9(1): the best cut lies between 0.6 and
     # 0.8 and gets 5 of 6 right (only 0.35 wrong); no cut does better
     assert 0.6 < cut < 0.8
     assert ((scores > cut) == gold).mean() == pytest.approx(5 / 6)
     assert max(((scores > c) == gold).mean() for c in np.linspace(0, 1, 101)) == pytest.approx(5 / 6)
     row = {"overall": 0.5, "sst_acc": 0.25, "qqp_acc": 0.75, "sts_corr": 0.125}
-    text = q.table([("x", None, row)])
+    text = quality.table([("x", None, row)])
     assert text.splitlines()[-1] == "| x | – | – | – | – | 0.500 | 0.250 | 0.750 | 0.125 |"
 
 
@@ -288,16 +287,15 @@ def test_step_shapes_splits_first_of_a_shape_steps_from_repeats(tiny_model_dir,
                                                                tiny_data_dir, capsys):
     """bench/step_shapes.py on the tiny model (CPU, eager): every step lands in exactly one
     of 'first step of its shapes' / 'shapes met before', one per distinct shape."""
-    shapes = load("step_shapes")
-    log = shapes.StepLog()
+    log = step_shapes.StepLog()
     assert log.add((("sst", ((4, 16),)),), 2.0, 4) and not log.add((("sst", ((4, 16),)),),
                                                                    0.5, 4)
     assert log.add((("sst", ((3, 16),)),), 1.0, 3)  # a partial batch is a new shape
     s = log.summary()
     assert (s["shapes"], s["steps"], s["repeat_steps"], s["first_of_shape_s"]) == (2, 3, 1, 3.0)
     assert s["repeat_examples_per_s"] == 8.0
-    out = shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
-                       "--batch-size", "4", "--threads", "1", "--seconds", "3"])
+    out = step_shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
+                            "--batch-size", "4", "--threads", "1", "--seconds", "3"])
     assert out["shapes"] >= 1 and out["steps"] == out["shapes"] + out["repeat_steps"]
     assert "steps on shapes met" in capsys.readouterr().out
 
@@ -305,9 +303,8 @@ def test_step_shapes_splits_first_of_a_shape_steps_from_repeats(tiny_model_dir,
 def test_step_shapes_padding_ladders(tiny_model_dir, tiny_data_dir, capsys):
     """--padding: padded / real tokens of each ladder, never below the batch's longest row
     (the least padding a batch can have), coarser ladders never below finer ones."""
-    shapes = load("step_shapes")
-    out = shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
-                       "--batch-size", "4", "--padding"])
+    out = step_shapes.main(["--model", tiny_model_dir, "--data-dir", tiny_data_dir,
+                            "--batch-size", "4", "--padding"])
     assert set(out) == {"sst/single", "qqp/cross", "sts/cross", "qqp/siamese", "sts/siamese"}
     for ratios in out.values():
         assert 1.0 <= ratios["longest row"] <= ratios["16/32/48/64/96/128"]
@@ -407,7 +404,6 @@ def test_carried_figures_fill_in_methods_the_runs_lack(se, methods, report, tmp_
 def test_worker_start_adds_import_seconds_by_package():
     """bench/worker_start.py sums ``-X importtime``'s self column by top-level package; the
     header, other output and malformed rows count for nothing."""
-    start = load("worker_start")
     text = "\n".join([
         "import time: self [us] | cumulative | imported package",
         "import time:      1500 |       1500 |     torch._C",
@@ -416,16 +412,16 @@ def test_worker_start_adds_import_seconds_by_package():
         "WORKER_START {}",
         "import time: oops | 1 | broken",
         "import time:    500000 |     540000 | transformers"])
-    assert start.import_seconds_by_package(text) == pytest.approx(
+    assert worker_start.import_seconds_by_package(text) == pytest.approx(
         {"transformers": 0.54, "torch": 0.2515})
-    assert list(start.import_seconds_by_package(text)) == ["transformers", "torch"]
+    assert list(worker_start.import_seconds_by_package(text)) == ["transformers", "torch"]
 
 
 def test_worker_start_times_each_stage_of_processes_started_together(tmp_path, capsys):
     """Two worker-like processes at once (CPU, no model): each reports every CPU stage, its
     ready time covers them, and torch is among its imports."""
-    start = load("worker_start")
-    assert start.main(["--processes", "2", "--json", str(tmp_path / "start.json")]) == 0
+    assert worker_start.main(["--processes", "2", "--json",
+                              str(tmp_path / "start.json")]) == 0
     results = json.loads((tmp_path / "start.json").read_text())["results"]
     assert len(results) == 2
     for r in results:
@@ -438,10 +434,9 @@ def test_worker_start_times_each_stage_of_processes_started_together(tmp_path, c
 def test_mps_exit_reads_the_fatal_errors_of_a_real_mps_server_log():
     """bench/mps_exit.py counts the MPS server's fatal GPU errors: the server.log kept by
     the full search on one H200 (2026-11-27) has one, client 3214's."""
-    bench = load("mps_exit")
     log = Path(__file__).resolve().parents[1] / "docs/gpu_h200/worker_exit_check/run2_mps_server.log"
-    assert bench.fatal_gpu_errors(log.read_text()) == [("2026-11-27 08:33:54.303", 3214)]
-    assert bench.fatal_gpu_errors("[2026-11-27 08:33:38.091 Server  1575] Client "
+    assert mps_exit.fatal_gpu_errors(log.read_text()) == [("2026-11-27 08:33:54.303", 3214)]
+    assert mps_exit.fatal_gpu_errors("[2026-11-27 08:33:38.091 Server  1575] Client "
                                   "{PID: 3216, Context ID: 1} exiting.") == []
 
 
@@ -449,7 +444,7 @@ def test_mps_exit_needs_a_cuda_gpu(capsys):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU: the bench would run")
-    assert load("mps_exit").main(["--device", "cuda", "--leavers", "1"]) == 2
+    assert mps_exit.main(["--device", "cuda", "--leavers", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: bench/mps_exit.py needs a CUDA GPU (--device cuda)")
 
@@ -457,9 +452,8 @@ def test_mps_exit_needs_a_cuda_gpu(capsys):
 def test_mps_exit_runs_its_processes_and_reads_their_results(capsys):
     """The bench's processes on CPU stand-ins (no GPU, no MPS): survivors replay while each
     leaver comes, replays and is killed (``--mode kill``), then stop and report."""
-    bench = load("mps_exit")
-    assert bench.main(["--stand-in", "--survivors", "2", "--leavers", "3", "--replays", "20",
-                       "--pause-s", "0.1", "--mode", "kill"]) == 0
+    assert mps_exit.main(["--stand-in", "--survivors", "2", "--leavers", "3", "--replays",
+                          "20", "--pause-s", "0.1", "--mode", "kill"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "MPS off: --mps off; mode kill"
     for index, line in enumerate(lines[1:3]):

@@ -5,12 +5,12 @@ trial, the compute, the re-training check and the target read both ways."""
 from __future__ import annotations
 
 import pytest
-from bench_modules import load_bench
+from bench import search_extension
 
 
 @pytest.fixture(scope="module")
 def ext():
-    return load_bench("search_extension")
+    return search_extension
 
 
 def trial(tid, dropout, best_val, examples, se=0.02):

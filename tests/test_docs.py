@@ -26,7 +26,7 @@ PAGES = sorted([REPO / "README.md", REPO / "cluster" / "README.md",
 LINK_PAGES = PAGES + [REPO / "CHANGELOG.md"]
 
 #: the project's commands: how the docs name them -> the argv that prints its help
-COMMAND = re.compile(r"python3?\s+(?:-m\s+(mtbert\.train)\b|(tune_driver\.py)\b|"
+COMMAND = re.compile(r"python3?\s+(?:-m\s+(mtbert\.train|bench\.[a-z_]+)\b|(tune_driver\.py)\b|"
                      r"(bench/[a-z_]+\.py)\b)")
 FLAG = re.compile(r"(?<![\w/.-])--[a-z][a-z0-9-]*")
 OTHER_TOOL = re.compile(r"(?:^|[\s(\[])(?:[A-Z_]+=\S+\s+)*(?:mlflow|pip|ray|nvidia-smi|docker|"
@@ -34,9 +34,16 @@ OTHER_TOOL = re.compile(r"(?:^|[\s(\[])(?:[A-Z_]+=\S+\s+)*(?:mlflow|pip|ray|nvid
 
 
 def _help_argv(command: str) -> list[str]:
-    if command == "mtbert.train":
-        return [sys.executable, "-m", "mtbert.train", "--help"]
+    if not command.endswith(".py"):  # a module: mtbert.train, bench.NAME
+        return [sys.executable, "-m", command, "--help"]
     return [sys.executable, str(REPO / command), "--help"]
+
+
+def _command_file(command: str) -> Path:
+    """The file a command runs: tune_driver.py, bench/NAME.py, mtbert/train.py."""
+    if command.endswith(".py"):
+        return REPO / command
+    return REPO / (command.replace(".", "/") + ".py")
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,7 +164,7 @@ def test_every_flag_the_docs_name_exists():
 
 
 def test_every_command_the_docs_show_exists():
-    missing = [c for c in _all_commands() if c != "mtbert.train" and not (REPO / c).exists()]
+    missing = [c for c in _all_commands() if not _command_file(c).exists()]
     assert not missing, f"the docs show commands that do not exist: {missing}"
 
 
@@ -168,19 +175,19 @@ def test_every_relative_link_points_to_a_file():
 
 def test_a_renamed_flag_is_reported():
     helps = {"tune_driver.py": "usage: tune_driver.py [--space SPACE] [--budget B]\n",
-             "bench/throughput.py": "usage: throughput.py [--steps N] [--concurrent N]\n"}
+             "bench.throughput": "usage: throughput.py [--steps N] [--concurrent N]\n"}
     doc = ("Run `python tune_driver.py --space smart --budgett small`; `--budget full`,\n"
            "`--sapce x`.\n"
-           "```bash\npython bench/throughput.py --steps 3 \\\n    --concurent 8\n```\n"
+           "```bash\npython -m bench.throughput --steps 3 \\\n    --concurent 8\n```\n"
            "and `... --steps 4 --warmup 2`; `mlflow ui --host 127.0.0.1 --port 5000` is\n"
            "another tool.\n")
     problems = unknown_flags(doc, helps, "docs/x.md")
     assert problems == [
         "docs/x.md: --budgett is not an option of tune_driver.py (not in its --help)",
-        "docs/x.md: --sapce is not an option of any of bench/throughput.py, tune_driver.py "
+        "docs/x.md: --sapce is not an option of any of bench.throughput, tune_driver.py "
         "(not in its --help)",
-        "docs/x.md: --concurent is not an option of bench/throughput.py (not in its --help)",
-        "docs/x.md: --warmup is not an option of bench/throughput.py (not in its --help)",
+        "docs/x.md: --concurent is not an option of bench.throughput (not in its --help)",
+        "docs/x.md: --warmup is not an option of bench.throughput (not in its --help)",
     ]
 
 

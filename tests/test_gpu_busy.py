@@ -4,14 +4,12 @@ a summary's phases."""
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import gpu_busy  # noqa: E402
+from bench import gpu_busy
 
 T0 = datetime(2026, 11, 26, 10, 0, 0, tzinfo=timezone.utc).timestamp()
 

@@ -195,8 +195,7 @@ def test_quality_bench_rescores_a_pruned_search(search):
     """bench/quality.py re-scores a search finished with the default --keep-checkpoints
     best (its trials' checkpoints gone, the kept models in models/ID): on the tiny data
     the search already scored every dev row, so the figures must agree."""
-    from bench_modules import load_bench
-    quality = load_bench("quality")
+    from bench import quality
     s, exp_dir = search["summary"], search["exp_dir"]
     assert not list(exp_dir.rglob("state.pt"))
     best = s["best_trial"]
