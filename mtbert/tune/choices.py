@@ -199,8 +199,8 @@ class PromotingAsha(SchedulerChoice):
     # this pair first (docs/bench/search_efficiency.md)
     default_rung_metric = "classes_soft,overall_soft"
     per_rung_metrics = True
-    # a trial pauses where a new or promoted one takes its place (bench: 9 trials 226 ->
-    # 203 s with reuse, the same decisions)
+    # a trial pauses where a new or promoted one takes its place (docs/search.md, "Ray
+    # workers")
     reuses_actors = True
     frees_paused_places = True
 
@@ -272,9 +272,8 @@ class _Population(SchedulerChoice):
     @staticmethod
     def _common(budget: Budget, metric: str) -> dict[str, Any]:
         # synch: the population is compared at the same examples seen.  With more trials
-        # than run at once they take turns; asynchronous PBT then compares the trial
-        # reporting with the others' earlier scores, which it nearly always beats (in a
-        # smoke search it never exploited once)
+        # than run at once they take turns; asynchronous PBT would compare the trial
+        # reporting with the others' earlier scores, which it nearly always beats
         return dict(budget=budget, metric=metric, quantile_fraction=0.25, log_config=True,
                     synch=True)
 
@@ -292,13 +291,13 @@ class Pbt(_Population):
                 for key, p in self._sampled(space)}
 
     def build(self, budget, space, metrics, workers, num_samples, last_leg_cpus):
-        from mtbert.tune.schedulers import PBTToTheEnd  # deferred: ray
+        from mtbert.tune.schedulers import PBTOnEvalIntervals  # deferred: ray
         found = self.mutations(space)
         bounds = {k: (p.low, p.high) for k, p in space.searched.items()
                   if k in found and p.dist != "choice"}
-        return PBTToTheEnd(hyperparam_mutations=found, resample_probability=0.25,
-                           custom_explore_fn=ClipToSpace(bounds),
-                           **self._common(budget, metrics[0]))
+        return PBTOnEvalIntervals(hyperparam_mutations=found, resample_probability=0.25,
+                                  custom_explore_fn=ClipToSpace(bounds),
+                                  **self._common(budget, metrics[0]))
 
 
 @register
@@ -313,9 +312,9 @@ class Pb2(_Population):
         return {key: [p.low, p.high] for key, p in self._sampled(space) if p.dist != "choice"}
 
     def build(self, budget, space, metrics, workers, num_samples, last_leg_cpus):
-        from mtbert.tune.schedulers import PB2ToTheEnd  # deferred: ray
-        return PB2ToTheEnd(hyperparam_bounds=self.mutations(space),
-                           **self._common(budget, metrics[0]))
+        from mtbert.tune.schedulers import PB2OnEvalIntervals  # deferred: ray
+        return PB2OnEvalIntervals(hyperparam_bounds=self.mutations(space),
+                                  **self._common(budget, metrics[0]))
 
 
 class ClipToSpace:

@@ -66,16 +66,16 @@ class HyperBandOnRungs(_OwnMetric, HyperBandForBOHB):
         return super().on_trial_result(tune_controller, trial, result)
 
 
-class _EndsAtTheBudget:
-    """PBT / PB2 on whole evaluation intervals, letting a trial at its budget's end finish.
+class _OnEvalIntervals:
+    """PBT / PB2 timed in whole evaluation intervals, letting a trial at its budget's end
+    finish.
 
     * Time is ``intervals_seen`` = floor(examples seen / ``eval_every``), added to each
-      result, with a perturbation interval of 1.  An evaluation falls on the first step
-      past its point (54, 100, 146 examples for every 48), and synchronous PBT then waits
-      for a time none of the paused trials is below (146 < 146): the smoke search hung.
-    * Ray's PBT also acts on a trial's last report: exploiting there sends a finished
-      trial back to another's earlier checkpoint, it reaches the end again and is sent
-      back again (a smoke search looped so for 10 minutes).  At the end it continues."""
+      result, with a perturbation interval of 1: an evaluation falls on the first step
+      past its point (54, 100, 146 examples for every 48), and synchronous PBT on examples
+      would wait for a time none of the paused trials is below.
+    * A trial's last report continues: exploiting there would send a finished trial back
+      to another's earlier checkpoint, again each time it reaches the end."""
 
     def __init__(self, budget: Budget, metric: str, **kwargs):
         self.max_examples, self.interval = budget.max_examples, budget.eval_every
@@ -90,11 +90,11 @@ class _EndsAtTheBudget:
         return super().on_trial_result(tune_controller, trial, result)
 
 
-class PBTToTheEnd(_OwnMetric, _EndsAtTheBudget, PopulationBasedTraining):
+class PBTOnEvalIntervals(_OwnMetric, _OnEvalIntervals, PopulationBasedTraining):
     """``--scheduler pbt``."""
 
 
-class PB2ToTheEnd(_OwnMetric, _EndsAtTheBudget, PB2):
+class PB2OnEvalIntervals(_OwnMetric, _OnEvalIntervals, PB2):
     """``--scheduler pb2``."""
 
 
@@ -102,54 +102,22 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     """``--scheduler asha-promote``: ASHA as Li et al. (2020) state it (Algorithm 2), with
     trials that pause at a rung and are promoted later, where Ray's ASHA decides on arrival.
 
-    * A trial pauses at each *decision rung* (a budget rung with at least as much training
-      after it as before: promoting from a rung past the budget's middle would train less
-      than it judged) and records its score on the rung metric there -- that rung's, where
-      ``--rung-metric`` names one per rung (``classes_soft,overall_soft``: STS r is noise
-      at the first rung and carries signal at the second, bench/rung_signal.py).
-    * Each time a worker frees (a trial reaches a rung or ends) it goes to the best
-      *promotable* trial of the highest rung that has one -- one in the top
-      floor(n_k / rf) of the n_k trials that reached rung k so far, not yet promoted from
-      it -- else to a new trial from the searcher.  The trial reaching the rung continues
-      without a pause when it is that trial itself.
-    * A rung promotes at most what synchronous successive halving would from it:
-      floor(N_k / rf) with N_0 = ``num_samples`` and N_(k+1) that quota (9 trials, rf 3:
-      3 from the first rung, 1 from the second).  Without the cap an early promotion (the
-      best of the first 3 trials) is followed by later ones as the rung fills, and the
-      trials promoted last, after the trial that trains the whole budget was chosen, only
-      lengthen the search (bench: 4-5 promotions of 9 from the first rung, where 3 fit).
-    * So each rung is decided among more trials than Ray's ASHA, which lets the first
-      trials at a rung go on (in the bench's seed 0, 4 of 9 trials trained the whole
-      budget there; here 1).
-    * Once the first rung has promoted its share, no trial started later could be
-      promoted: the searcher is told it is finished (``set_finished``) and samples no
-      more (the bench's seeds started 1-3 such trials, 224 examples each, for nothing).
-    * The last promotion -- the *deciding* rung's (the highest with a share) share used --
-      decides the search: no trial can train past that rung any more, so a lower rung's
-      unused share is void (rf 2, quotas 4 -> 2: the second rung's two can be promoted
-      among its first 3 arrivals, i.e. after 3 of the first rung's 4; the main job then
-      sampled a fifth trial and trained it 2,000 examples for nothing).  The searcher is
-      finished, the trials still running to a rung, or promoted there and not resumed, can
-      change nothing and are stopped, and the promoted trial is
-      resumed with the CPUs they and it held (``last_leg_cpus``, the search's places x
-      CPUs per trial; torch threads follow the trial's CPUs), where it would otherwise
-      train the whole rest of the budget alone beside idle workers (the driver's, on one
-      machine with CPU trials: see ``tuner.build_tuner``).
-    * Once the searcher has given its ``num_samples`` trials and nothing runs or can be
-      promoted, the best trial of the highest rung that promoted none (fewer than rf
-      trials reached it: a search of 2 trials) is promoted, so that some trial trains
-      the whole budget; then the trials still paused are stopped (Ray waits on paused
-      trials forever).
+    A trial pauses at each *decision rung* (a budget rung with at least as much training
+    after it as before) and is scored there on that rung's ``--rung-metric``.  A freed worker goes to the best
+    promotable trial of the highest rung that has one (in the top floor(n_k / rf) of the
+    n_k trials that reached rung k, not yet promoted from it), else to a new trial.  A rung
+    promotes at most synchronous halving's share (floor(N_k / rf), N_0 = ``num_samples``).
+    Once the first rung's share is used the searcher is finished; once the deciding
+    (highest) rung's is, the search is decided: the trials still running to a rung are
+    stopped and the promoted one trains on with their CPUs (``last_leg_cpus``).  With
+    nothing left to run, the best trial of the highest rung that promoted none trains
+    the whole budget, and the trials still paused are stopped.
 
-    On ``--resume`` its records start afresh (Ray saves no scheduler's state; Tune sets
-    every unfinished trial, paused ones too, to pending): the trials paused at a rung
-    train on from their checkpoints to the next rung, where they are judged again.
-
-    Its searcher is a :class:`~mtbert.tune.searchers.RunningTrialsLimiter`: a paused trial
-    frees its place (``on_pause``); a promoted one takes the place of the trial whose
-    arrival promoted it (``on_pause`` + ``on_unpause`` in one result, before Ray asks the
-    searcher for a new trial), so the search never starts a new trial where one should be
-    promoted."""
+    On ``--resume`` its records start afresh (Ray saves no scheduler's state): the trials
+    paused at a rung train on to the next one and are judged there.  Its searcher is a
+    :class:`~mtbert.tune.searchers.RunningTrialsLimiter`: a paused trial frees its place
+    and a promoted one takes the place of the trial whose arrival promoted it.  Why each
+    rule, with the measurements: docs/search.md, docs/bench/search_efficiency.md."""
 
     _supports_buffered_results = False  # decisions at every rung, as results arrive
 
@@ -227,9 +195,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     @staticmethod
     def _free_places_of_ended(tune_controller, trials) -> None:
         """Ray 2.60 errors a trial whose reused worker failed to reset without telling the
-        searcher, whose limit would count it as running for the rest of the search (the
-        main job ran on one of two workers so): an errored trial still counted is ended in
-        the searcher too."""
+        searcher, whose limit would count it as running for the rest of the search: an
+        errored trial still counted is ended in the searcher too."""
         searcher = tune_controller.search_alg.searcher
         live = getattr(searcher, "live_trials", set())
         for t in trials:
@@ -340,8 +307,8 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 tune_controller.stop_trial(t)
         # Ray 2.60's controller keeps a PENDING trial it stops (staged, its actor not yet
         # started) among its staged trials, so its actor cache goes on holding a cached
-        # 1-CPU worker for it; a resumed leg that needs that CPU then waits forever (a
-        # smoke search hung so).  The last leg keeps its CPUs then.
+        # 1-CPU worker for it; a resumed leg that needs that CPU then waits forever.  The
+        # last leg keeps its CPUs then.
         cpus = self.last_leg_cpus - kept
         if cpus > trial_cpus(last) > 0 and not trial_gpus(last) and not stopped_pending:
             self._widen[last.trial_id] = cpus

@@ -45,16 +45,16 @@ def told_points(settings) -> list:
     if settings.extends is None or not searcher_choice(settings.search_alg).learns_from_earlier:
         return []
     return searcher_points(settings.extends, list(settings.space.searched),
-                           *_how_told(settings))
+                           *_searcher_feedback(settings))
 
 
 def told_summary(settings) -> str:
     """The driver's line on what the searcher of an ``--extend`` search was told."""
     return told_line(told_points(settings), settings.extends, settings.search_alg,
-                     *_how_told(settings))
+                     *_searcher_feedback(settings))
 
 
-def _how_told(settings) -> tuple[bool, int, str]:
+def _searcher_feedback(settings) -> tuple[bool, int, str]:
     """(told at the first rung, the first rung in examples, the metric told): as the
     searcher is told each trial of its own search."""
     return (scheduler_choice(settings.scheduler).frees_paused_places,
@@ -95,13 +95,11 @@ def last_leg_cpus(settings, max_concurrent: int) -> float:
 
 def reuses_actors(scheduler: str, address: str | None) -> bool:
     """Whether trials reuse Ray's actors (worker processes with torch and the encoder
-    loaded).  Not with the schedulers that pause trials in turns (Hyperband for BOHB,
-    PBT, PB2: their choice's ``reuses_actors``):
-    a PBT smoke search (2 trials taking turns on one slot) hung in a clean-clone CI run
-    with actors reused, every actor gone and Tune waiting on one.  Not on a cluster
-    (``--address``), where a node can die: a trial about to start on a cached actor of a
-    node just lost was retried on that same dead actor, twice in 40 ms
-    (ActorUnavailableError), and errored with ``--max-failures`` spent."""
+    loaded): not with the schedulers that pause trials in turns (Hyperband for BOHB, PBT,
+    PB2: their choice's ``reuses_actors``), where Tune came to wait on an actor gone; not
+    on a cluster (``--address``), where a trial about to start on a cached actor of a lost
+    node is retried on that dead actor until its ``--max-failures`` are spent
+    (docs/search.md, "Ray workers")."""
     return scheduler_choice(scheduler).reuses_actors and not address
 
 
