@@ -36,7 +36,7 @@ def export_model(model: MultitaskModel, cfg: TrainConfig, folder: str | Path) ->
 
 
 def export_checkpoint(checkpoint_dir: str | Path, folder: str | Path) -> Path:
-    """Copy the weights of a training checkpoint (``Trainer.save_checkpoint``) to
+    """Copy the weights of a training checkpoint (what a Trainer writes at an evaluation) to
     ``folder`` as described above: its weight files as they are, no optimizer state."""
     checkpoint_dir, folder = Path(checkpoint_dir), Path(folder)
     cfg = TrainConfig.from_yaml(checkpoint_dir / CONFIG_FILE)

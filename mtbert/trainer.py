@@ -542,10 +542,6 @@ class Trainer:
         return TrainingParts(self.model, self.optimizer, self.lr_scheduler, self.loss_combiner,
                              self.regulariser, self.batchers)
 
-    def save_checkpoint(self, metrics: dict | None = None) -> Path:
-        """Write ``out_dir/checkpoint`` now (atomically: tmp folder, then rename)."""
-        return self._checkpoint_job(metrics)()
-
     def _checkpoint_job(self, metrics: dict | None) -> Callable[[], Path]:
         """Snapshot the run now; the returned function writes it (:mod:`mtbert.checkpoint`)
         and may run on another thread while training goes on."""
@@ -574,7 +570,7 @@ class Trainer:
             stats["report_s"] += time.perf_counter() - started
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint`. A damaged file is a
+        """Restore a checkpoint this trainer writes at an evaluation. A damaged file is a
         :class:`DataError` naming it; a checkpoint whose model or optimizer state does not
         fit this run is a :class:`ConfigError` naming the settings that differ."""
         counters, history = restore_checkpoint(Path(checkpoint_dir), self._training_parts(),
