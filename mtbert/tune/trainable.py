@@ -119,8 +119,7 @@ def wait_for_the_step_on_reuse() -> None:
     than Ray's 2 s (``TUNE_FUNCTION_THREAD_TIMEOUT_S``): a SMART step of 32 examples on
     one CPU thread, or an evaluation in progress.  Past the wait the reset fails, and
     Ray 2.60 then errors the next trial without telling the searcher, whose limit goes on
-    counting it: the main job (smart, small) lost a trial and ran on one of its two
-    workers from then on."""
+    counting it (docs/search.md, "Ray workers")."""
     os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(REUSE_WAIT_S))
 
 
