@@ -36,3 +36,21 @@ def test_help_imports_no_heavy_package(script, runner, target):
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
     assert json.loads(out.stderr.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("command, same_as", [
+    ("mtbert-tune", ["tune_driver.py"]),
+    ("mtbert-train", ["-m", "mtbert.train"]),
+])
+def test_the_installed_commands_are_the_scripts(command, same_as):
+    """The console scripts of the install (pyproject.toml) print the ``--help`` of the
+    commands they stand for."""
+    script = Path(sys.executable).parent / command
+    assert script.is_file(), f"{script} is not installed: pip install -e . again"
+    installed = subprocess.run([str(script), "--help"], cwd=REPO, capture_output=True,
+                               text=True, timeout=60)
+    direct = subprocess.run([sys.executable, *same_as, "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert installed.returncode == direct.returncode == 0, installed.stderr
+    assert installed.stdout == direct.stdout
+    assert installed.stdout.startswith("usage: ")
