@@ -309,6 +309,28 @@ def test_a_ray_worker_needs_no_command_line_module(graph):
                                "mtbert.tune.cli", "mtbert.tune.driver"})
 
 
+def docs_layers() -> dict[str, set[str]]:
+    """docs/architecture.md's layer table: each layer and the modules its row names."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    names = [name for name, _ in LAYERS]
+    table: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or cells[0] not in names:
+            continue
+        prefix = "mtbert.tune." if cells[0].startswith("tune") else "mtbert."
+        table[cells[0]] = {"mtbert." + f.replace("/", ".") if "/" in f else prefix + f
+                           for f in re.findall(r"`([\w/]+)\.py`", cells[1])}
+    return table
+
+
+def test_the_docs_layer_table_is_this_one():
+    """The table names each module in the layer ``LAYERS`` puts it in (the packages'
+    ``__init__`` modules aside)."""
+    assert docs_layers() == {name: set(members) - {"mtbert", "mtbert.tune"}
+                             for name, members in LAYERS}
+
+
 def test_no_function_is_longer_than_80_lines():
     """What a reader takes in at once (the layering's acceptance): decorators and docstrings
     included."""
