@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtbert.atomic import atomic_write
-from mtbert.config import TrainConfig
-from mtbert.data import MultitaskData, _pad, collate, default_cache_dir, encoding_for
+from mtbert.config import TrainConfig, default_cache_dir
+from mtbert.data import MultitaskData, collate, encoding_for, pad_rows
 from mtbert.dropout_rate import RateDropout
 from mtbert.losses import task_loss
 from mtbert.tasks import TASK_NAMES
@@ -249,7 +249,7 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
         stream = _index_stream(len(sentences), bs, cfg.pretrain_examples, rng)
 
         def step_loss(idx):
-            ids, mask = _pad([sentences[i] for i in idx], data.pad_id)
+            ids, mask = pad_rows([sentences[i] for i in idx], data.pad_id)
             ids, mask = ids.to(device), mask.to(device)
             # one forward of the batch twice: each copy gets its own dropout masks
             z = sentence_vectors(model, torch.cat([ids, ids]), torch.cat([mask, mask]))
@@ -264,7 +264,7 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
 
         def step_loss(idx):
             rows = pairs[idx]
-            ids, mask = _pad([tokens.a[i] for i in rows] + [tokens.b[i] for i in rows],
+            ids, mask = pad_rows([tokens.a[i] for i in rows] + [tokens.b[i] for i in rows],
                              data.pad_id)
             z = sentence_vectors(model, ids.to(device), mask.to(device))
             za, zb = z.chunk(2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.data import _pad, load_data
+from mtbert.data import load_data, pad_rows
 from mtbert.model import MultitaskModel
 from mtbert.pretrain import (cache_key, run_pretraining, sentence_vectors, simcse_loss,
                              simcse_sentences, stage_modules)
@@ -97,7 +97,7 @@ def quiet(_msg):
 
 def fixed_batch_loss(model, data, temp):
     """SimCSE loss of every distinct sentence in one batch, with fixed dropout masks."""
-    ids, mask = _pad(simcse_sentences(data), data.pad_id)
+    ids, mask = pad_rows(simcse_sentences(data), data.pad_id)
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(123)
         model.train()

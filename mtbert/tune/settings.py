@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtbert.atomic import check_creatable
-from mtbert.config import TrainConfig
+from mtbert.config import TrainConfig, default_cache_dir
 from mtbert.errors import ConfigError
 from mtbert.pretrained import check_model
 from mtbert.tune import location as loc
@@ -394,7 +394,6 @@ def _model(model: str) -> str:
 def _base_config(args: argparse.Namespace, budget: Budget, space: SearchSpace,
                  data_dir: Path, model: str) -> dict[str, Any]:
     """The TrainConfig fields every trial gets; checked valid with the space's fixed values."""
-    from mtbert.data import default_cache_dir  # deferred: torch, pyarrow
     base = {
         "model": model, "data_dir": str(data_dir.resolve()),
         "cache_dir": str(default_cache_dir("").resolve()),
