@@ -66,15 +66,24 @@ def _attention_owned(parent: nn.Module) -> bool:
     return type(parent).__name__.endswith("Attention")
 
 
-def hold_dropout_in_tensor(model: nn.Module, p: float, device: torch.device) -> DropoutRate:
-    """Swap every ``nn.Dropout`` at rate ``p`` (the ``dropout`` setting: the encoder's
-    hidden dropouts and the heads'), attention modules' own left out, for a
-    :class:`RateDropout` sharing one :class:`DropoutRate`; returns it."""
-    rate = DropoutRate(p, device)
+def governed_dropouts(model: nn.Module, p: float) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of every dropout the ``dropout`` setting ``p`` governs: the
+    ``nn.Dropout`` s at rate ``p`` (the encoder's hidden dropouts and the heads') and any
+    :class:`RateDropout`, attention modules' own left out."""
+    found = []
     for parent in list(model.modules()):
         if _attention_owned(parent):
             continue
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Dropout and child.p == p:
-                setattr(parent, name, RateDropout(rate))
+            if (type(child) is nn.Dropout and child.p == p) or isinstance(child, RateDropout):
+                found.append((parent, name))
+    return found
+
+
+def hold_dropout_in_tensor(model: nn.Module, p: float, device: torch.device) -> DropoutRate:
+    """Swap every dropout the ``dropout`` setting governs (:func:`governed_dropouts`) for a
+    :class:`RateDropout` sharing one :class:`DropoutRate`; returns it."""
+    rate = DropoutRate(p, device)
+    for parent, name in governed_dropouts(model, p):
+        setattr(parent, name, RateDropout(rate))
     return rate

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtbert.config import TrainConfig
+from mtbert.data import ROW_WEIGHTS
 from mtbert.model import COSINE_MAPS, TaskOutput
 from mtbert.tasks import TASK_NAMES
 
@@ -36,39 +37,58 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.T
     return (values * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 for the loss, or as it is when wider (a float64 model, as the tests
+    that compare runs to 1e-8 train)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig,
               weights: torch.Tensor | None = None) -> torch.Tensor:
     """The task's loss, a mean over the batch's rows (``weights``: 0 for filler rows)."""
     if task == "sst":
-        rows = F.cross_entropy(out.logits.float(), labels.long(), reduction="none")
+        rows = F.cross_entropy(_wide(out.logits), labels.long(), reduction="none")
     elif task == "qqp":
-        rows = F.binary_cross_entropy_with_logits(out.logits.float(), labels.float(),
+        logits = _wide(out.logits)
+        rows = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
                                                   reduction="none")
     else:
         return sts_loss(out, labels.float(), cfg, weights)
     return weighted_mean(rows, weights)
 
 
+def batch_loss(model, task: str, batch: dict[str, torch.Tensor], cfg: TrainConfig,
+               regulariser=None) -> torch.Tensor:
+    """One task batch's training loss: ``model``'s forward, :func:`task_loss` (filler rows
+    weigh 0) and the regulariser's term (SMART) when there is one -- the eager step, the
+    captured step and the fused step all take it from here."""
+    out = model(task, batch)
+    loss = task_loss(task, out, batch["labels"], cfg, batch.get(ROW_WEIGHTS))
+    if regulariser is not None:
+        loss = loss + regulariser.term(model, task, batch, out)
+    return loss
+
+
 def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig,
              weights: torch.Tensor | None = None) -> torch.Tensor:
     def mse(score: torch.Tensor) -> torch.Tensor:
-        return weighted_mean((score.float() - y) ** 2, weights)
+        return weighted_mean((_wide(score) - y) ** 2, weights)
     kind = cfg.sts_loss
     if kind == "mse":
         return mse(out.score)
     if kind == "ce_bins":
-        return weighted_mean(F.cross_entropy(out.logits.float(), y.round().long(),
+        return weighted_mean(F.cross_entropy(_wide(out.logits), y.round().long(),
                                              reduction="none"), weights)
     head_mse = mse(out.score) if cfg.sts_head == "regression" else 0.0
     if kind == "cosine_mse":
         cos_score = out.cos_score
         if cos_score is None:  # an output built without the model: the map's starting (s, t)
             scale, shift = COSINE_MAPS[cfg.sts_cosine_map]
-            cos_score = scale * F.cosine_similarity(out.u.float(), out.v.float(), dim=-1) + shift
+            cos_score = scale * F.cosine_similarity(_wide(out.u), _wide(out.v), dim=-1) + shift
         return mse(cos_score) + head_mse
     if kind == "cosine_embedding":
         target = torch.where(y >= 2.5, 1.0, -1.0)
-        rows = F.cosine_embedding_loss(out.u.float(), out.v.float(), target, reduction="none")
+        rows = F.cosine_embedding_loss(_wide(out.u), _wide(out.v), target, reduction="none")
         return weighted_mean(rows, weights) + head_mse
     raise ValueError(f"unknown sts_loss {kind!r}")
 

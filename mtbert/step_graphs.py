@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mtbert.data import ROW_WEIGHTS
-from mtbert.losses import task_loss
+from mtbert.losses import batch_loss
 
 #: eager steps of a graph's structure before it is captured
 WARMUP_STEPS = 2
@@ -281,10 +280,7 @@ class StepGraphs:
         t.model.train()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda,
                             cache_enabled=False):
-            out = t.model(task, batch)
-            loss = task_loss(task, out, batch["labels"], t.cfg, batch.get(ROW_WEIGHTS))
-            if t.regulariser is not None:
-                loss = loss + t.regulariser.term(t.model, task, batch, out)
+            loss = batch_loss(t.model, task, batch, t.cfg, t.regulariser)
         return loss.detach().float(), t.loss_combiner.weighted({task: loss})[task]
 
     def _reached(self, tasks: frozenset) -> list[nn.Parameter]:

@@ -38,14 +38,14 @@ from mtbert.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, T
                                restore_checkpoint)
 from mtbert.config import TrainConfig
 from mtbert.cosine_init import fit_qqp_cosine
-from mtbert.data import (ROW_WEIGHTS, MultitaskData, TaskBatcher, collate, encoding_for,
+from mtbert.data import (MultitaskData, TaskBatcher, collate, encoding_for,
                          eval_rows, eval_token_cap, real_rows)
 from mtbert.devices import check_compile_mode, compile_model, resolve_device, to_device
 from mtbert.dropout_rate import hold_dropout_in_tensor
 from mtbert.errors import ConfigError
 from mtbert.gradients import build_gradient_combiner
 from mtbert.inference import as_label, predict_split
-from mtbert.losses import build_loss_combiner, task_loss
+from mtbert.losses import batch_loss, build_loss_combiner
 from mtbert.lr_schedules import build_lr_scheduler
 from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.model import MultitaskModel
@@ -315,15 +315,24 @@ class Trainer:
         return final
 
     def _fit(self) -> dict:
-        cfg = self.cfg
-        if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
+        if self.cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
             self._evaluate_and_report()  # where training starts from (not on resume)
+        for group in self.schedule_steps():
+            self.train_batches(self.next_batches(group))
+        return self.finish()
+
+    def schedule_steps(self):
+        """The schedule steps (a tuple of tasks each) still to train, in order.  The caller
+        trains each before asking for the next; the counters, the stop check, the progress
+        line, the evaluations and the budget check then run here (the loop of :meth:`fit`,
+        which the fused trainer drives the same way, :mod:`mtbert.fused_training`)."""
+        cfg = self.cfg
         done = self._budget_spent()
         while not done and self.epoch <= cfg.epochs:
             plan = self.epoch_plan(self.epoch)
             while self.step_in_epoch < len(plan):
                 step_started = time.perf_counter()
-                self.train_batches(self.next_batches(plan[self.step_in_epoch]))
+                yield plan[self.step_in_epoch]
                 self.timings["train_s"] += time.perf_counter() - step_started
                 self.step_in_epoch += 1
                 self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
@@ -342,6 +351,11 @@ class Trainer:
                 self.step_in_epoch = 0
                 if not cfg.eval_every:
                     self._evaluate_and_report()
+
+    def finish(self) -> dict:
+        """After the last step: the final evaluation (unless the last step had one), the
+        val / dev / test predictions, the last checkpoint written, ``metrics.json``."""
+        cfg = self.cfg
         if not self.history or self.history[-1]["examples_seen"] != self.examples_seen:
             self._evaluate_and_report()
         final = dict(self.history[-1])
@@ -370,14 +384,18 @@ class Trainer:
     def train_batches(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
         """One schedule step on host ``batches``: one optimizer step on the super-batch
         (``update=summed``) or one per task batch."""
-        examples = sum(real_rows(b) for b in batches.values())
-        steps = [batches] if self.cfg.update == "summed" else [{t: b} for t, b in batches.items()]
-        for step in steps:
+        for step in self.update_steps(batches):
             if self.step_graphs is not None:
                 self._graphed_step(step)
             else:
                 self.optimizer_step({t: self._to_device(b) for t, b in step.items()})
-        self.examples_seen += examples
+        self.examples_seen += sum(real_rows(b) for b in batches.values())
+
+    def update_steps(self, batches: dict[str, dict[str, torch.Tensor]]
+                     ) -> list[dict[str, dict[str, torch.Tensor]]]:
+        """A schedule step's optimizer steps: the super-batch (``update=summed``) or each
+        task batch alone."""
+        return [batches] if self.cfg.update == "summed" else [{t: b} for t, b in batches.items()]
 
     def _graphed_step(self, batches: dict[str, dict[str, torch.Tensor]]) -> None:
         losses = self.step_graphs.step(batches)
@@ -401,11 +419,7 @@ class Trainer:
         losses = {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for task, batch in batches.items():
-                out = self.model(task, batch)
-                loss = task_loss(task, out, batch["labels"], self.cfg, batch.get(ROW_WEIGHTS))
-                if self.regulariser is not None:
-                    loss = loss + self.regulariser.term(self.model, task, batch, out)
-                losses[task] = loss
+                losses[task] = batch_loss(self.model, task, batch, self.cfg, self.regulariser)
         self._note_losses(losses)
         weighted = self.loss_combiner.weighted(losses)
         penalty = self.loss_combiner.penalty(self.model)
