@@ -270,6 +270,10 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
         assert parent.data.metrics[f"time/{part}"] == pytest.approx(s["phases"][part])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"summary.json", "summary.md", "report"} <= artifacts
+    # its MLflow page says what the search found: summary.md is the run's note
+    markdown = (search["exp_dir"] / "summary.md").read_text()
+    assert parent.data.tags["mlflow.note.content"] == markdown
+    assert f"best trial {s['best_trial']['trial_id']}" in markdown
 
     children = [r for r in runs if r.data.tags.get("kind") == "trial"]
     assert len(children) == NUM_TRIALS  # exactly one per trial

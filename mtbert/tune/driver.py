@@ -25,8 +25,8 @@ from mtbert.tune.extension import TRIALS_FILE, KnownTrial, trials_document
 from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_for_search
 from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
 from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
-                                        log_trial_results, runs_view_key, share_runs_view,
-                                        ui_links)
+                                        log_trial_results, note_search, runs_view_key,
+                                        share_runs_view, ui_links)
 from mtbert.tune.mps import MPS_LOG_FOLDER, cuda_mps, local_gpu
 from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
 from mtbert.tune.report import write_report
@@ -242,6 +242,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
                                                      settings.mlflow_uri, complete, trials))):
         atomic_write_text(exp_dir / name, text)
         tracker.log_artifact(parent_run, exp_dir / name)
+    note_search(tracker, parent_run, summary.markdown())  # what its MLflow page says
     location.upload(skip=(STAGED_CHECKPOINTS,))
     # an interrupted search's parent run is KILLED until --resume reopens and finishes it
     tracker.finish(parent_run, "KILLED" if summary.interrupted

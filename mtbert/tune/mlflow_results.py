@@ -4,7 +4,8 @@
   predictions and SST confusion plot, and for finalists their predictions and dev scores;
 * the ensemble's run (a child of the parent): members and weights, val/dev metrics
   beside the best single member's, its predictions;
-* the parent run: trial counts, the best trial's and the ensemble's scores, the plots;
+* the parent run: trial counts, the best trial's and the ensemble's scores, the plots,
+  and ``summary.md`` as its note (the run's page shows it);
 * links: MLflow 3's UI opens an experiment on its GenAI view unless the URL asks for
   ``workflowType=machine_learning`` (inside the ``#`` fragment); a shared view state
   (experiment tag ``mlflow.sharedViewState.KEY``, the UI's "share view") preselects the
@@ -28,6 +29,9 @@ from mtbert.tune.trial_config import trial_config_values
 
 #: where ``mlflow ui`` serves a local store (its default port)
 LOCAL_UI = "http://127.0.0.1:5000"
+#: the longest tag value MLflow keeps (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``)
+NOTE_LIMIT = 8000
+NOTE_CUT = "\n\n(cut at MLflow's length of a note: the whole is the run's artifact summary.md)\n"
 
 
 def ui_base(tracking_uri: str) -> str:
@@ -147,3 +151,11 @@ def log_search_metrics(tracker: SearchTracker, parent_run: str, summary) -> None
     tracker.log_metrics(parent_run, metrics)
     for path in summary.report_files.values():
         tracker.log_artifact(parent_run, path, "report")
+
+
+def note_search(tracker: SearchTracker, parent_run: str, markdown: str) -> None:
+    """The parent run's note (tag ``mlflow.note.content``: the description its MLflow page
+    shows): the search's ``summary.md``, cut where it is longer than MLflow keeps."""
+    if len(markdown) > NOTE_LIMIT:
+        markdown = markdown[:NOTE_LIMIT - len(NOTE_CUT)] + NOTE_CUT
+    tracker.set_tags(parent_run, {"mlflow.note.content": markdown})
