@@ -228,6 +228,18 @@ def test_asha_stops_some_trials_early(search, ray_trials):
         assert t["examples_seen"] == last["examples_seen"]
         assert (t["status"] == "stopped_early") == (last["examples_seen"] < max_examples)
     assert any(t["status"] == "completed" for t in s["trials"])
+    # every example trained counts: each trial's runs (files the trainable writes as it
+    # trains and where it stops) make its examples_trained -- past the report ASHA
+    # stopped it at, as far as it had trained when the stop took hold
+    for t in s["trials"]:
+        folder = search["exp_dir"] / t["name"] / "mtbert_trained"
+        [run] = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+        assert run["from"] == 0 and t["examples_trained"] == run["to"] >= t["examples_seen"]
+        if t["status"] == "completed":  # its last evaluation at its very end
+            assert run["to"] == t["examples_seen"] >= s["budget"]["max_examples"]
+        else:
+            assert run["how"] in ("stopped", "worker exit"), run
+    assert s["examples_trained"] == sum(t["examples_trained"] for t in s["trials"])
 
 
 def test_summary_consistent_with_ray(search, ray_trials):
@@ -274,6 +286,7 @@ def test_mlflow_parent_and_child_runs(search, ray_trials, mlflow_runs):
     markdown = (search["exp_dir"] / "summary.md").read_text()
     assert parent.data.tags["mlflow.note.content"] == markdown
     assert f"best trial {s['best_trial']['trial_id']}" in markdown
+    assert parent.data.metrics["examples_trained"] == s["examples_trained"] > 0
 
     children = [r for r in runs if r.data.tags.get("kind") == "trial"]
     assert len(children) == NUM_TRIALS  # exactly one per trial

@@ -52,9 +52,11 @@ def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
                    ("ckpt_b", {OBJECTIVE: 0.47, "examples_seen": 96}),
                    ("ckpt_c", {OBJECTIVE: float("nan"), "examples_seen": 144})]
     r = trial_record("t1", "trial_t1", {"lr": 1e-4}, history, checkpoints, 120, None, MAX, RUNGS)
-    assert [h["examples_seen"] for h in r.history] == [48, 96, 144]
-    assert r.history[1][OBJECTIVE] == 0.47 and "note" not in r.history[0]
-    assert OBJECTIVE not in r.history[2]                 # NaN is not a score
+    # the evaluation at the start, missing from Ray's rows, is taken from its checkpoint
+    assert [h["examples_seen"] for h in r.history] == [0, 48, 96, 144]
+    assert r.history[0][OBJECTIVE] == 0.60
+    assert r.history[2][OBJECTIVE] == 0.47 and "note" not in r.history[1]
+    assert OBJECTIVE not in r.history[3]                 # NaN is not a score
     assert r.best_checkpoint == "ckpt_b" and r.best_score == 0.47
     assert r.examples_seen == 144                        # the log is ahead of Ray's last result
     assert r.status == TrialStatus.STOPPED_EARLY and r.rung_reached == 2
@@ -124,6 +126,69 @@ def test_a_trial_ended_before_a_resume_keeps_its_end_over_rays_replay(tmp_path):
     assert (a.status, a.examples_seen, a.error) == (TrialStatus.COMPLETED, 192, "")
     assert a.best_score == 0.52 and a.best_checkpoint.endswith("checkpoint_000001")
     assert by_id["f"].status == TrialStatus.ERROR and by_id["n"].status == TrialStatus.ERROR
+
+
+FULL, FULL_RUNGS = 75846, [10000, 30000]  # budget full as the H200 searches resolved it
+
+
+def _stopped_trial(tmp_path: Path, tid: str, reported: list[int], folder_only: list[int],
+                   runs: list[tuple[int, list[int]]]):
+    """A trial folder as Tune left it when it stopped the trial with a report in flight:
+    Ray's rows and checkpoint list end at ``reported``; the checkpoints of ``folder_only``
+    (their evaluations' results dropped) are in the folder, written by the trainer.
+    ``runs``: (the examples a run started from, what it wrote as it trained), each written
+    by a real TrainedLog, as the trainable writes them."""
+    import pyarrow.fs
+    from ray.tune import Checkpoint, Result
+
+    from mtbert.tune.records import TrainedLog
+    trial_dir = tmp_path / f"trial_{tid}"
+    rows, listed = [], []
+    for i, seen in enumerate(reported + folder_only):
+        metrics = {"examples_seen": seen, OBJECTIVE: 0.5 + seen / 1e6, "val/sst_acc": 0.4}
+        ckpt = trial_dir / f"checkpoint_{i:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "metrics.json").write_text(json.dumps({**metrics, "lr": 3e-5}))
+        if seen in reported:
+            rows.append({**metrics, "trial_id": tid, "training_iteration": i + 1,
+                         "timestamp": 1795766800 + i})
+            listed.append((Checkpoint(str(ckpt)), rows[-1]))
+    for start, writes in runs:
+        run = TrainedLog(pyarrow.fs.LocalFileSystem(), str(trial_dir), start)
+        for examples in writes:
+            run.write(examples, "reported")
+    return Result(metrics={**rows[-1], "config": {}}, checkpoint=None, error=None,
+                  path=str(trial_dir), metrics_dataframe=pd.DataFrame(rows),
+                  best_checkpoints=listed)
+
+
+def test_a_trial_stopped_with_its_report_in_flight_counts_every_example(tmp_path):
+    """Trial 14ffb5df of the H200 search of 2026-11-27 (docs/gpu_h200/worker_exit_check):
+    promoted from the first rung (10,012 examples), it reported at 30,002 as the
+    promoting scheduler, deciding on another trial's result, stopped it; Tune drops a
+    stopped trial's result in flight (its checkpoint was already in the trial folder),
+    and summary.json said 10,012 examples.  Trial 36d4de2f: stopped with its first
+    rung's report in flight, summary.json said 0.  Their runs: 14ffb5df trained to 10,204
+    before its pause at the first rung took hold, resumed from the rung's checkpoint and
+    trained to 30,218 before the stop took hold."""
+    results = [_stopped_trial(tmp_path, "14ffb5df", [0, 10012], [30002],
+                              [(0, [0, 10012, 10204]), (10012, [30002, 30218])]),
+               _stopped_trial(tmp_path, "36d4de2f", [0], [10012], [])]
+    a, b = collect_trials(results, FULL, FULL_RUNGS, ended={"14ffb5df", "36d4de2f"})
+    assert (a.status, a.examples_seen, a.rung_reached) == (TrialStatus.STOPPED_EARLY, 30002, 2)
+    assert [h["examples_seen"] for h in a.history] == [0, 10012, 30002]
+    assert a.history[-1][OBJECTIVE] == 0.5 + 30002 / 1e6 and "timestamp" in a.history[-1]
+    assert a.best_checkpoint.endswith("checkpoint_000002")
+    # every example: 10,204 in its first run, 30,218 - 10,012 = 20,206 in its second
+    assert a.examples_trained == 10204 + 20206 == 30410
+    assert (b.examples_seen, b.rung_reached, b.best_score) == (10012, 1, 0.5 + 10012 / 1e6)
+    assert b.examples_trained == 10012  # no runs recorded: to its last evaluation
+    s = build_summary(_settings(tmp_path), [a, b], ranked([a, b]), {}, None,
+                      {"files": {}, "importances": {}},
+                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False)
+    assert s.examples_trained == 40422
+    assert [t.examples_trained for t in s.trials] == [30410, 10012]
+    assert "40,422 examples trained by this search's trials" in s.markdown()
 
 
 class GoldData:

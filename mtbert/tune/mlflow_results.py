@@ -4,8 +4,8 @@
   predictions and SST confusion plot, and for finalists their predictions and dev scores;
 * the ensemble's run (a child of the parent): members and weights, val/dev metrics
   beside the best single member's, its predictions;
-* the parent run: trial counts, the best trial's and the ensemble's scores, the plots,
-  and ``summary.md`` as its note (the run's page shows it);
+* the parent run: trial counts, the examples trained, the best trial's and the
+  ensemble's scores, the plots, and ``summary.md`` as its note (the run's page shows it);
 * links: MLflow 3's UI opens an experiment on its GenAI view unless the URL asks for
   ``workflowType=machine_learning`` (inside the ``#`` fragment); a shared view state
   (experiment tag ``mlflow.sharedViewState.KEY``, the UI's "share view") preselects the
@@ -76,9 +76,11 @@ def ui_links(tracking_uri: str, experiment_id: str, parent_run: str,
 
 def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], data,
                       preds: dict[str, dict], dev_of: dict[str, dict[str, float]]) -> None:
-    """Per trial run: its config, how it ended, its best checkpoint's validation
-    predictions and SST confusion plot; for finalists (``preds``: trial id -> its
-    val/dev/test predictions) those predictions and its dev scores."""
+    """Per trial run: its config, how it ended (how far it got and every example it
+    trained, which Ray's last result can undercount), the evaluations Ray dropped (kept in
+    the record from their checkpoints: records.trial_record), its best checkpoint's
+    validation predictions and SST confusion plot; for finalists (``preds``: trial id ->
+    its val/dev/test predictions) those predictions and its dev scores."""
     import yaml
 
     with tempfile.TemporaryDirectory(prefix="mtbert-mlflow-") as tmp:
@@ -92,7 +94,16 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
                                                   sort_keys=False), encoding="utf-8")
             tracker.log_artifact(r.mlflow_run_id, config_file)
             tracker.set_tags(r.mlflow_run_id, {"best_val_overall": f"{r.best_score:.6f}",
-                                               "status": r.status})
+                                               "status": r.status,
+                                               "examples_seen": r.examples_seen,
+                                               "rung_reached": r.rung_reached,
+                                               "examples_trained": r.examples_trained})
+            for h in r.history:  # (a step logged before is not logged again)
+                if "examples_seen" in h:
+                    tracker.log_trial_result(r.trial_id, {
+                        k: v for k, v in h.items()
+                        if k.startswith(("val/", "train/")) or k == "examples_seen"},
+                        int(h["examples_seen"]))
             if r.best_checkpoint:
                 ckpt = Path(r.best_checkpoint)
                 for f in sorted((ckpt / "predictions").glob("val-*.parquet")):
@@ -140,7 +151,7 @@ def log_search_metrics(tracker: SearchTracker, parent_run: str, summary) -> None
     c = summary.counts
     metrics = {"trials_completed": c.completed, "trials_stopped_early": c.stopped_early,
                "trials_errored": c.errored, "trials_not_needed": c.not_needed,
-               "trials_restored": c.restored}
+               "trials_restored": c.restored, "examples_trained": summary.examples_trained}
     if summary.best_trial:
         b = summary.best_trial
         metrics.update({f"best/{k}": v for k, v in {**b.val, **b.dev}.items()})

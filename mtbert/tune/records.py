@@ -3,7 +3,11 @@
 The objective, the trial statuses and the one rule that decides "stopped early" live
 here; :func:`collect_trials` turns Ray's ``ResultGrid`` into plain
 :class:`TrialRecord` objects (no Ray objects), and :func:`ranked` orders them by their
-best validation score -- the only thing a search selects on.
+best validation score -- the only thing a search selects on.  Ray's results undercount
+what a trial trained: Tune drops a stopped trial's result in flight (the evaluation is
+taken from its checkpoint), and a trial trains on past the report it is stopped or
+paused at; each of its runs writes how far it trained (:class:`TrainedLog`), and
+``examples_trained`` counts every example.
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -60,6 +68,9 @@ BEST_OBJECTIVE = f"best/{OBJECTIVE}"
 #: metrics (the current learning rate goes as ``train/lr``: ``lr`` is a hyperparameter)
 RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds", "checkpoints_written",
             "checkpoint_bytes")
+#: the folder of a trial (beside its checkpoints) where each of its runs says how far it
+#: trained (:class:`TrainedLog`)
+TRAINED_FOLDER = "mtbert_trained"
 
 
 class TrialStatus(enum.StrEnum):
@@ -133,6 +144,11 @@ class TrialRecord:
     mlflow_run_id: str | None = None
     origin: str = ""                 # the search it trained in, if an earlier one (--extend)
     retries: int = 0                 # times its worker failed and Ray restored it (--max-failures)
+    # every example it trained, over all its runs (TrainedLog): those trained past its
+    # last evaluation before a stop or a pause, and again after a restore from an earlier
+    # checkpoint, count too (``examples_seen`` is how far it got: its last evaluation);
+    # 0: not recorded (a trials.json written before it was)
+    examples_trained: int = 0
 
     @property
     def best_score(self) -> float:
@@ -143,10 +159,27 @@ class TrialRecord:
 def trial_record(trial_id: str, name: str, config: dict[str, Any],
                  history: list[dict[str, Any]], checkpoints: Iterable[tuple[str, dict]],
                  last_examples_seen: int, error: str | None, max_examples: int,
-                 rungs: list[int], ended: bool = True, retries: int = 0) -> TrialRecord:
+                 rungs: list[int], ended: bool = True, retries: int = 0,
+                 runs: Iterable[tuple[int, int]] = ()) -> TrialRecord:
     """One trial from what its run left: the evaluation history (Ray's result rows), its
-    checkpoints with their metrics, the last reported examples seen and its error text."""
+    checkpoints with their metrics, the last reported examples seen, its error text and
+    its runs (``(from, to)`` examples of each: :class:`TrainedLog`).
+
+    Ray drops a result still in flight when it stops a trial (the promoting scheduler
+    stops the trials running to a rung on another trial's result): the checkpoint of that
+    evaluation is in the trial folder, its row is not in Ray's log.  Its evaluation is
+    taken from the checkpoint, so ``examples_seen`` -- how far the trial got, to its last
+    evaluation -- counts it; ``examples_trained`` adds what its runs trained past their
+    last evaluation and again from an earlier checkpoint."""
+    checkpoints = list(checkpoints)
     rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
+    known = {h["examples_seen"] for h in rows if "examples_seen" in h}
+    recovered = [_history_row(m) for _, m in checkpoints
+                 if isinstance(m.get("examples_seen"), (int, float))
+                 and m["examples_seen"] not in known]
+    if recovered:  # (Ray's rows come in the order they trained; these go in their place)
+        rows = sorted(rows + _one_row_per_point(recovered),
+                      key=lambda h: h.get("examples_seen", 0.0))
     best, best_path = {}, None
     for path, metrics in checkpoints:
         score = metrics.get(OBJECTIVE)
@@ -157,13 +190,26 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
         if not best or score > best[OBJECTIVE]:
             best, best_path = scalar_metrics(metrics, finite=True), path
     # after a driver crash Ray's restored last result can lag its own result log
-    seen = max([int(last_examples_seen)] + [int(h["examples_seen"]) for h in rows
-                                            if "examples_seen" in h])
+    seen = max([int(last_examples_seen)]
+               + [int(h["examples_seen"]) for h in rows if "examples_seen" in h])
+    trained = max(seen, sum(max(0, int(b) - int(a)) for a, b in runs))
     return TrialRecord(
         trial_id=trial_id, name=name, config=dict(config), history=rows, best=best,
         best_checkpoint=best_path, examples_seen=seen, rung_reached=rung_reached(seen, rungs),
         status=trial_status(seen, max_examples, errored=error is not None, ended=ended),
-        error=summarize_error(error) if error is not None else "", retries=retries)
+        error=summarize_error(error) if error is not None else "", retries=retries,
+        examples_trained=trained)
+
+
+def _history_row(metrics: dict[str, Any]) -> dict[str, float]:
+    """An evaluation as the history keeps it (the keys :func:`collect_trials` keeps)."""
+    return scalar_metrics({k: v for k, v in metrics.items() if _kept_in_history(k)},
+                          finite=True)
+
+
+def _kept_in_history(key: str) -> bool:
+    return key.startswith(("val/", "train/")) or key in ("examples_seen", "timestamp",
+                                                        "training_iteration")
 
 
 def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -204,13 +250,11 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
         history: list[dict[str, Any]] = []
         df = result.metrics_dataframe
         if df is not None and len(df) and OBJECTIVE in df.columns:
-            keep = [c for c in df.columns if c.startswith(("val/", "train/"))
-                    or c in ("examples_seen", "timestamp", "training_iteration")]
-            history = df[keep].to_dict("records")
+            history = df[[c for c in df.columns if _kept_in_history(c)]].to_dict("records")
         records.append(trial_record(
             tid, Path(result.path).name, result.config or {}, history, _checkpoints(result),
             last_seen, error, max_examples, rungs, ended=ended is None or tid in ended,
-            retries=(retries or {}).get(tid, 0)))
+            retries=(retries or {}).get(tid, 0), runs=_trained_runs(result)))
     return records
 
 
@@ -247,10 +291,76 @@ def _checkpoints(result) -> list[tuple[str, dict]]:
             continue
         try:
             with fs.open_input_stream(f"{info.path}/metrics.json") as fh:
-                out[info.path] = json.loads(fh.read().decode("utf-8"))
+                metrics = json.loads(fh.read().decode("utf-8"))
         except (OSError, FileNotFoundError, ValueError):
             continue
+        if isinstance(metrics, dict):
+            if info.mtime is not None:  # when it was written: Ray's rows have their time
+                metrics.setdefault("timestamp", info.mtime.timestamp())
+            out[info.path] = metrics
     return sorted(out.items())
+
+
+# ---------------------------------------------------------------------- examples trained
+class TrainedLog:
+    """How far one run of a trial trained: a file in its trial folder,
+    ``mtbert_trained/<start ns>-<pid>.json`` = ``{"from": examples seen at its start,
+    "to": as far as it trained, "how": ..., "at": Unix time}``.
+
+    A run is a trial's training from its start, or from the checkpoint Ray restored it
+    from (a paused trial resumed, a retry after a worker failure, PBT's exploit), to
+    where it ended: it is written at the start, at each report and where the run ends --
+    its end, a stop or a pause (the stop reaches the trainer at its next step), an error,
+    its worker's exit.  So the examples a trial trained after its last report before a
+    stop or a pause, and those it trained again from an earlier checkpoint, are counted
+    (:attr:`TrialRecord.examples_trained`); a worker killed outright leaves its run's
+    last report.  ``fs``: the storage's pyarrow filesystem; ``trial_path``: the trial
+    folder on it.  The trial's checkpoint thread, its training thread and the worker's
+    exit may write it: one at a time, ``to`` never going back.  A write that fails is a
+    warning on the worker's log, never the trial's failure."""
+
+    def __init__(self, fs, trial_path: str, start: int):
+        self.fs = fs
+        self.folder = f"{str(trial_path).rstrip('/')}/{TRAINED_FOLDER}"
+        self.path = f"{self.folder}/{time.time_ns()}-{os.getpid()}.json"
+        self.start = self.to = int(start)
+        self._lock = threading.Lock()
+        self.write(self.start, "started")
+
+    def write(self, examples: int, how: str) -> None:
+        with self._lock:
+            self.to = max(self.to, int(examples))
+            doc = {"from": self.start, "to": self.to, "how": how, "at": time.time()}
+            try:
+                self.fs.create_dir(self.folder, recursive=True)
+                with self.fs.open_output_stream(self.path + ".tmp") as out:
+                    out.write(json.dumps(doc).encode("utf-8"))
+                self.fs.move(self.path + ".tmp", self.path)  # never half a file
+            except OSError as exc:
+                print(f"[mtbert] warning: could not write {self.path} ({exc}): the examples "
+                      "this run trained are counted to its last report", file=sys.stderr,
+                      flush=True)
+
+
+def _trained_runs(result) -> list[tuple[int, int]]:
+    """``(from, to)`` of each run of the trial (:class:`TrainedLog`)."""
+    import pyarrow.fs
+    fs = getattr(result, "filesystem", None) or pyarrow.fs.LocalFileSystem()
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(f"{result.path}/{TRAINED_FOLDER}"))
+    except (OSError, FileNotFoundError):
+        return []
+    runs = []
+    for info in sorted(infos, key=lambda i: i.path):
+        if info.type != pyarrow.fs.FileType.File or not info.path.endswith(".json"):
+            continue
+        try:
+            with fs.open_input_stream(info.path) as fh:
+                doc = json.loads(fh.read().decode("utf-8"))
+            runs.append((int(doc["from"]), int(doc["to"])))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    return runs
 
 
 def ranked(records: list[TrialRecord]) -> list[TrialRecord]:

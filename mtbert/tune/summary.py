@@ -80,6 +80,10 @@ def counted(n: int, noun: str) -> str:
 RESTORED_LINE = ("{n} of the trials had their worker fail and were restored from their last "
                  "checkpoint by Ray (`--max-failures`; each trial's MLflow run has a "
                  "`retries` tag)")
+#: summary.md's line on the search's compute (``SearchSummary.examples_trained``)
+TRAINED_LINE = ("{n:,} examples trained by this search's trials, every one counted: those "
+                "trained after a trial's last evaluation before the scheduler stopped or "
+                "paused it, and those trained again after a restore from a checkpoint")
 #: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
 NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share (or its deciding "
                      "rung's), and no trial started later could have been promoted")
@@ -116,6 +120,7 @@ class TrialRow:
     searched: dict[str, Any]
     evaluations: int
     origin: str = ""                 # the earlier search it trained in (--extend), or ""
+    examples_trained: int = 0        # over all its runs (records.TrialRecord)
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,9 @@ class SearchSummary:
     # (Tune's loop), finish_s (finalists, ensemble, report, to this summary), total_s;
     # first_ready_s (seconds into Tune's loop when the first trial's Trainer was ready)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the compute: every example this search's trials trained (records.TrialRecord's
+    # examples_trained: past a stop or a pause too, and again after a restore)
+    examples_trained: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -301,7 +309,7 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
     trials = [TrialRow(r.trial_id, r.name, r.status, r.config, r.best, r.best_checkpoint,
                        r.examples_seen, r.rung_reached, r.error, r.mlflow_run_id,
                        r.best_score if math.isfinite(r.best_score) else None, searched(r),
-                       len(r.history), r.origin)
+                       len(r.history), r.origin, r.examples_trained)
               for r in records + [r for r in inherited if r.trial_id not in own]]
     space = settings.space
     return SearchSummary(
@@ -315,7 +323,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         interrupted=interrupted or counts.interrupted > 0, best_trial=best_trial,
         ensemble=ensemble_summary, top_trials=top, trials=trials,
         importances=report["importances"], report_files=report["files"], mlflow=mlflow,
-        extends=extension_summary(settings, left_out or {}, told))
+        extends=extension_summary(settings, left_out or {}, told),
+        examples_trained=sum(r.examples_trained for r in records))
 
 
 # ---------------------------------------------------------------------- renderings
@@ -358,6 +367,8 @@ def _markdown(s: SearchSummary) -> str:
                   f"{NOT_NEEDED_REASON}.", ""]
     if c.restored:
         lines += [f"{RESTORED_LINE.format(n=c.restored)}.", ""]
+    if s.examples_trained:
+        lines += [TRAINED_LINE.format(n=s.examples_trained) + ".", ""]
     lines += _extension_lines(s.extends, c.trials)
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -13,6 +13,11 @@ hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Check
 (plus ``node_id``, the Ray node that ran the evaluation) -- Ray
 copies it to the storage path before the trainer overwrites it at the next evaluation.
 A retried trial (worker lost, ``FailureConfig``) resumes from ``tune.get_checkpoint()``.
+Each run of a trial (from its start, or from the checkpoint Ray restored it from) writes
+how far it trained into the trial folder (``records.TrainedLog``): at its start, at each
+report and where it ends -- a stop or pause reaches the trainer at its next step, and a
+worker that Tune ends while its trial trains writes it on its way out -- so the
+examples trained after the last report are counted.
 
 Deterministic failures (an invalid config combination, a NaN loss) raise
 :class:`TrialFailed` with the reason; the reason is also written to the trial folder so
@@ -21,6 +26,7 @@ a retry fails at once instead of training again into the same NaN.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -33,7 +39,7 @@ from mtbert.config import PERTURBED
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune import work_folders, worker_exit
-from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
+from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS, TrainedLog
 from mtbert.tune.trial_config import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
@@ -164,6 +170,42 @@ def _actor_is_being_reset() -> bool:
     return False
 
 
+#: the runs of this worker still training: what the worker's exit writes (TrainedLog)
+_RUNS: dict[TrainedLog, Any] = {}
+_RUNS_LOCK = threading.Lock()
+_RUNS_AT_EXIT: list[bool] = []  # the exit's hook is registered (once per process)
+
+
+def _running(run: TrainedLog, examples_seen) -> None:
+    """``run`` trains: should the worker's process exit before it ends (Tune stopped or
+    paused the trial between its reports, and ends the worker without waiting for its
+    thread), the exit writes how far it got (``examples_seen()``, read from the thread
+    still training: the steps it finished)."""
+    with _RUNS_LOCK:
+        if not _RUNS_AT_EXIT:
+            atexit.register(_write_running)
+            _RUNS_AT_EXIT.append(True)
+        _RUNS[run] = examples_seen
+
+
+def _run_ended(run: TrainedLog, examples_seen: int, how: str) -> None:
+    """The run's end: written once (a stopped run first, then its ``finally``)."""
+    with _RUNS_LOCK:
+        if _RUNS.pop(run, None) is None:
+            return
+    run.write(examples_seen, how)
+
+
+def _write_running() -> None:
+    """(atexit) Each run still training says how far it got (its thread, if it reaches
+    its next step before the process ends -- a GPU worker's exit waits for that:
+    worker_exit -- writes its end after this)."""
+    with _RUNS_LOCK:
+        running = list(_RUNS.items())
+    for run, examples_seen in running:
+        run.write(examples_seen(), "worker exit")
+
+
 def _mark_failed(marker: Path, reason: str) -> None:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +252,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
                   "time/reported_at": time.time()}
         # on the trainer's checkpoint thread, once the checkpoint is written; a stop raises
         # SystemExit(0) here, which the trainer raises again in the training thread
+        run.write(trainer.examples_seen, "reported")  # training went on since the evaluation
         tune.report({**ray_metrics(metrics, trainer.history), **timing, "node_id": node_id},
                     checkpoint=(tune.Checkpoint.from_directory(checkpoint_dir)
                                 if checkpoint_dir else None))
@@ -226,12 +269,21 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
+        storage = tune.get_context().get_storage()
+        run = TrainedLog(storage.storage_filesystem, storage.trial_fs_path,
+                         trainer.examples_seen)
+        _running(run, lambda: trainer.examples_seen)
+        how = "failed"
         try:
             trainer.fit()
+            how = "ended"
         except SystemExit as exc:
             if exc.code not in (0, None):
                 raise
+            _run_ended(run, trainer.examples_seen, "stopped")  # (before the thread parks)
             _wait_for_the_actor_to_exit(work)
+        finally:
+            _run_ended(run, trainer.examples_seen, how)
     finally:
         worker_exit.off_the_gpu()  # returned or raised: the exit need not wait for it
         shutil.rmtree(work, ignore_errors=True)
