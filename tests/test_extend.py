@@ -157,6 +157,40 @@ def test_a_damaged_trials_file_is_one_error_naming_it(text, expected):
     assert "/exp/trials.json" in str(err.value)
 
 
+def test_a_key_the_space_does_not_have_is_an_error_unless_every_trial_has_it_anyway():
+    """check_known_trials, the rules beside a value outside its distribution (the driver
+    tests below): a trainer field the space neither searches nor fixes passes only where
+    the base config gives every trial that very value; a searched key must have a value;
+    a quniform value off its step is refused only where the searcher is told it."""
+    from mtbert.tune.extension import check_known_trials
+    space = parse_space({"description": "d", "params": {
+        "dropout": {"uniform": [0.0, 0.3]}, "smart_lambda_sst": {"quniform": [0, 4, 1]}}},
+        "s.yaml")
+    base = {"seed": 3, "max_length": 32}
+
+    def check(config: dict, told: bool = True) -> None:
+        row = KnownTrial(_record("t9", config, [0.5]), "first", dict(MEASURED), None)
+        check_known_trials({"trials": [row.to_dict()]}, space, base, "f/trials.json", told)
+
+    check({"dropout": 0.1, "smart_lambda_sst": 2.0, "seed": 3, "max_length": "32"})
+    check({"dropout": 0.1, "smart_lambda_sst": 2.4}, told=False)   # PBT's x 1.2, not told
+    for config, message in [
+            ({"dropout": 0.1, "smart_lambda_sst": 2.0, "seed": 4},
+             "seed=4: not a key of the space it was searched in (dropout, smart_lambda_sst), "
+             "and every trial of this search trains with seed=3"),
+            ({"dropout": 0.1, "smart_lambda_sst": 2.0, "lr": 1e-4},
+             "lr=0.0001: not a key of the space it was searched in (dropout, "
+             "smart_lambda_sst); a trial of that space trained with the trainer's default"),
+            ({"dropout": 0.1}, "no value of smart_lambda_sst, which its space searches "
+                               "(quniform [0, 4, step 1])"),
+            ({"dropout": 0.1, "smart_lambda_sst": 2.4},
+             "smart_lambda_sst=2.4 is not on the space's quniform [0, 4, step 1]"),
+            ({"dropout": float("nan"), "smart_lambda_sst": 2.0}, "dropout=nan is not finite")]:
+        with pytest.raises(ConfigError) as err:
+            check(config)
+        assert str(err.value).startswith(f"f/trials.json: trial t9: {message}"), err.value
+
+
 # ---------------------------------------------------------------------- the driver
 def _main(argv: list[str]) -> tuple[int, str, str]:
     from mtbert.tune.cli import main
@@ -360,10 +394,37 @@ def _listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+#: an earlier trial that is no point of the space it was searched in (smoke: lr
+#: loguniform [1e-4, 5e-3], dropout uniform [0, 0.3], batch_size choice 8, 16, warmup_ratio
+#: fixed 0): (the change to its config, what the error says after "trial ID: ")
+NOT_OF_THE_SPACE = {
+    "out_of_range": ({"dropout": 0.5}, "dropout=0.5 is outside the space's uniform [0, 0.3]"),
+    "wrong_type": ({"lr": "0.001"}, "lr='0.001' is not a number"),
+    "unknown_key": ({"colour": "red"}, "colour: not a key of the space it was searched in "
+                                       "(lr, dropout, batch_size, warmup_ratio) nor of the "
+                                       "trainer's config"),
+    "not_a_choice": ({"batch_size": 12}, "batch_size=12 is not one of the space's choices "
+                                         "(8, 16)"),
+    "not_fixed": ({"warmup_ratio": 0.1}, "warmup_ratio=0.1: the space fixes it at 0.0"),
+}
+
+
 @pytest.mark.parametrize("case", ["missing", "other_space", "damaged_settings",
-                                  "damaged_trials", "unfinished", "with_resume"])
+                                  "damaged_trials", "unfinished", "with_resume",
+                                  *NOT_OF_THE_SPACE])
 def test_a_bad_extend_exits_2_with_one_line_and_writes_nothing(searches, case, tmp_path):
+    """Every bad ``--extend`` is one ``error:`` line and nothing written: no experiment
+    folder, no MLflow store or run.  An earlier trial outside its space was told to
+    Optuna once Ray, the folder and the parent run were up, and died in its add_trial."""
     storage = searches["storage"]
+    if case in NOT_OF_THE_SPACE:
+        storage = tmp_path / "rr"
+        shutil.copytree(searches["first"]["dir"], storage / "first")
+        path = storage / "first" / "trials.json"
+        doc = json.loads(path.read_text())
+        doc["trials"][1]["config"].update(NOT_OF_THE_SPACE[case][0])
+        path.write_text(json.dumps(doc))
+        trial = doc["trials"][1]["trial_id"]
     if case in ("damaged_settings", "damaged_trials", "unfinished"):
         storage = tmp_path / "rr"
         shutil.copytree(searches["first"]["dir"], storage / "first")
@@ -386,6 +447,9 @@ def test_a_bad_extend_exits_2_with_one_line_and_writes_nothing(searches, case, t
     expected = {"missing": "no search in", "other_space": "it searched space 'smoke'",
                 "damaged_settings": "mtbert_search.json is not valid JSON",
                 "damaged_trials": "trials.json is not valid JSON",
-                "unfinished": "did not finish", "with_resume": "give one of them"}[case]
+                "unfinished": "did not finish", "with_resume": "give one of them"}.get(case)
+    if case in NOT_OF_THE_SPACE:
+        expected = (f"--extend first: {storage / 'first' / 'trials.json'}: trial {trial}: "
+                    f"{NOT_OF_THE_SPACE[case][1]}")
     assert expected in lines[0]
     assert _listing(storage) == before and not (tmp_path / "m.db").exists()

@@ -32,6 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtbert.config import TrainConfig, coerce_value
 from mtbert.errors import ConfigError
 from mtbert.tune.records import OBJECTIVE, TrialRecord, TrialStatus
 
@@ -135,7 +136,64 @@ def _known_trial(row: dict[str, Any]) -> KnownTrial:
     record = TrialRecord(**fields)
     if not isinstance(record.config, dict) or not isinstance(row["measured_on"], dict):
         raise TypeError("config and measured_on must be mappings")
+    if not isinstance(record.history, list) or not all(
+            isinstance(h, dict) and _number(h.get("examples_seen", 0)) for h in record.history):
+        raise TypeError("history must be a list of evaluations, each with a number of "
+                        "examples_seen")
+    if not isinstance(record.best, dict) or not _number(record.examples_seen) \
+            or not isinstance(row.get("weights"), (str, type(None))):
+        raise TypeError("best must be a mapping, examples_seen a number, weights a path or "
+                        "null")
     return KnownTrial(record, str(row["origin"]), dict(row["measured_on"]), row.get("weights"))
+
+
+def check_known_trials(doc: dict[str, Any], space, base: dict[str, Any], name: str,
+                       told: bool) -> None:
+    """Every trial of a parsed ``trials.json`` is a point of the space it was searched in
+    (``space``: that search's saved spaces.SearchSpace), before anything starts: each
+    searched key has a value of its distribution (the field's type and valid range, the
+    range, one of the choices; with ``told`` -- the searcher is told the trials -- on a
+    ``quniform`` step too, or Optuna refuses it), a fixed key the space's value.  A key
+    the space does not have is an error too, unless it is a TrainConfig field that
+    ``base`` (every trial's config) sets to that very value: it says nothing then.
+    ConfigError naming ``name`` (the file), the trial and the key."""
+    for i, row in enumerate(doc["trials"]):
+        trial = f"{name}: trial {row.get('trial_id') or i + 1}"
+        config = row["config"]
+        for key, param in space.searched.items():
+            if key not in config:
+                raise ConfigError(f"{trial}: no value of {key}, which its space searches "
+                                  f"({param.describe()})", key=key)
+        for key, value in config.items():
+            problem = _not_of_the_space(str(key), value, space, base, told)
+            if problem:
+                raise ConfigError(f"{trial}: {problem}", key=str(key))
+
+
+def _not_of_the_space(key: str, value: Any, space, base: dict[str, Any],
+                      told: bool) -> str | None:
+    """What is wrong with one value of an earlier trial's config (None: nothing)."""
+    param = space.params.get(key)
+    if param is not None:
+        return param.rejects(value, on_grid=told)
+    known = ", ".join(space.params)
+    if key not in TrainConfig.field_names():
+        return (f"{key}: not a key of the space it was searched in ({known}) nor of the "
+                "trainer's config")
+    if key in base:
+        try:
+            if coerce_value(key, value) == coerce_value(key, base[key]):
+                return None  # what every trial of this search has anyway
+        except ConfigError:
+            pass
+        return (f"{key}={value!r}: not a key of the space it was searched in ({known}), and "
+                f"every trial of this search trains with {key}={base[key]!r}")
+    return (f"{key}={value!r}: not a key of the space it was searched in ({known}); a "
+            "trial of that space trained with the trainer's default")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def earlier_search(doc: dict[str, Any], now: dict[str, Any],

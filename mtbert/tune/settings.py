@@ -31,10 +31,11 @@ from mtbert.tune import location as loc
 from mtbert.tune import mps
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan, check_ray_address
-from mtbert.tune.extension import (TRIALS_FILE, EarlierSearch, earlier_search, measured_on,
-                                   parse_trials)
+from mtbert.tune.extension import (TRIALS_FILE, EarlierSearch, check_known_trials,
+                                   earlier_search, measured_on, parse_trials)
 from mtbert.tune.choices import (check_optional_packages, check_per_rung, default_rung_metric,
-                                 resolve_scheduler, resolve_search_alg, scheduler_choice)
+                                 resolve_scheduler, resolve_search_alg, scheduler_choice,
+                                 searcher_choice)
 from mtbert.tune.records import rung_metric_keys
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
 from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
@@ -198,6 +199,9 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     if args.address is not None:
         check_ray_address(args.address)
     base = _base_config(args, budget, space, data_dir, model)
+    if extended:  # what the searcher is told must be points of the space (Optuna's add_trial)
+        check_known_trials(extended[1], space, base, extended[3],
+                           searcher_choice(search_alg).learns_from_earlier)
     if not args.address:
         _check_compile_modes(space, args.gpus_per_trial)
     return SearchSettings(
@@ -275,11 +279,11 @@ def _parse_saved_settings(text: str, name: str, flag: str) -> dict[str, Any]:
 
 
 def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str | None,
-                      ) -> tuple[dict[str, Any], dict[str, Any], SearchSpace]:
-    """``--extend NAME``: (its saved settings, its parsed trials.json, its space), the
-    values of :data:`EXTEND_INHERITS` not given on the command line (``args.given``, set
-    by the CLI) taken from it.  ConfigError for a search that is not there, not finished,
-    damaged, or of another space."""
+                      ) -> tuple[dict[str, Any], dict[str, Any], SearchSpace, str]:
+    """``--extend NAME``: (its saved settings, its parsed trials.json, its space, the
+    trials file as errors name it), the values of :data:`EXTEND_INHERITS` not given on
+    the command line (``args.given``, set by the CLI) taken from it.  ConfigError for a
+    search that is not there, not finished, damaged, or of another space."""
     name = args.extend
     where = loc.ExperimentLocation(storage, name, storage_uri)
     folder = where.ray_experiment  # the URI copy where there is one
@@ -294,6 +298,7 @@ def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str 
         raise ConfigError(f"--extend {name}: {folder} has no {TRIALS_FILE}, written when "
                           "a search finishes: finish it first (--resume --experiment "
                           f"{name}), then extend it")
+    trials_name = f"--extend {name}: {folder}/{TRIALS_FILE}"
     trials = parse_trials(trials_text, f"{folder}/{TRIALS_FILE}")
     if not trials.get("complete", False):
         raise ConfigError(f"--extend {name}: the search did not finish (interrupted, or trials "
@@ -301,7 +306,7 @@ def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str 
                           "then extend it")
     space = parse_space(saved["space"], saved["space_path"])
     if args.resume:  # the extension's own saved settings were merged: they stand
-        return saved, trials, space
+        return saved, trials, space, trials_name
     given = getattr(args, "given", frozenset())
     if "space" in given and args.space is not None:
         asked = load_space(args.space)
@@ -315,7 +320,7 @@ def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str 
     for key in EXTEND_INHERITS:
         if key not in given and key in saved["args"]:
             setattr(args, key, saved["args"][key])
-    return saved, trials, space
+    return saved, trials, space, trials_name
 
 
 def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:

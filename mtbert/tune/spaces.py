@@ -79,6 +79,29 @@ class Param:
         step = f", step {self.step:g}" if self.step else ""
         return f"{self.dist} [{self.low:g}, {self.high:g}{step}]"
 
+    def rejects(self, value: Any, on_grid: bool = True) -> str | None:
+        """Why ``value`` is no value of this key (None: it is one): not of the field's type
+        or valid range, not the fixed value, not one of the choices, outside the range,
+        or (``on_grid``) off a ``quniform`` step -- Optuna refuses such a value."""
+        shown = f"{self.key}={value!r}"
+        try:
+            check_value(TrainConfig.field_spec(self.key), value)
+        except ConfigError as exc:
+            return f"{exc} (the space: {self.describe()})"
+        if self.dist == "fixed":
+            return None if value == self.value else f"{shown}: the space fixes it at {self.value!r}"
+        if self.dist == "choice":
+            return None if value in self.choices else (
+                f"{shown} is not one of the space's choices "
+                f"({', '.join(map(repr, self.choices))})")
+        if not self.low <= value <= self.high:
+            return f"{shown} is outside the space's {self.describe()}"
+        if on_grid and self.step:
+            k = (value - self.low) / self.step
+            if abs(k - round(k)) > 1e-8:
+                return f"{shown} is not on the space's {self.describe()}"
+        return None
+
     def to_tune(self):
         """The Ray Tune domain (or the constant)."""
         from ray import tune
