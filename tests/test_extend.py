@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -213,12 +214,26 @@ def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     # every trial with weights is a candidate and (vote) a member: an old kept one too
     second = _main(["--extend", "first", "--num-samples", "2", "--experiment", "second",
                     "--ensemble-top-k", "5", "--ensemble", "vote", *common])
+    # the storage is copied elsewhere and the second search's original removed (nothing
+    # may read it); its trials.json is made as searches wrote it before they named
+    # weights relative to the experiment folder: absolute paths, under the folder gone
+    moved = root / "moved"
+    shutil.copytree(storage, moved)
+    shutil.rmtree(storage / "second")
+    doc = json.loads((moved / "second" / "trials.json").read_text())
+    for row in doc["trials"]:
+        if row["weights"]:
+            row["weights"] = os.path.normpath(storage / "second" / row["weights"])
+    (moved / "second" / "trials.json").write_text(json.dumps(doc))
+    # every earlier trial whose weights are at hand is a candidate and (vote) a member
     third = _main(["--extend", "second", "--num-samples", "1", "--experiment", "third",
-                   *common])
-    out = {"storage": storage, "uri": f"sqlite:///{root / 'm.db'}", "common": common}
+                   "--ensemble-top-k", "6", "--ensemble", "vote", *common[2:],
+                   "--storage-path", str(moved)])
+    out = {"storage": storage, "uri": f"sqlite:///{root / 'm.db'}", "common": common,
+           "moved": moved, "absolute": doc}
     for name, (rc, stdout, stderr) in (("first", first), ("second", second), ("third", third)):
         assert rc == 0, (name, stderr[-3000:])
-        exp = storage / name
+        exp = (moved if name != "first" else storage) / name
         out[name] = {"dir": exp, "stdout": stdout,
                      "summary": json.loads((exp / "summary.json").read_text()),
                      "trials": json.loads((exp / "trials.json").read_text())}
@@ -310,10 +325,30 @@ def test_extending_twice_chains(searches):
     assert sorted(origins) == ["first"] * 3 + ["second"] * 2 + ["third"]
     assert third["summary"]["extends"]["told"] == 5
     assert len(third["summary"]["trials"]) == 6
-    # every kept weight the chain knows of is a folder that loads
+    # every kept weight the chain knows of is a folder that loads, named relative to the
+    # experiment folder
     for t in third["trials"]["trials"]:
         if t["weights"]:
-            assert (Path(t["weights"]) / "config.yaml").is_file(), t
+            assert not Path(t["weights"]).is_absolute(), t
+            assert (third["dir"] / t["weights"] / "config.yaml").is_file(), t
+
+
+def test_a_moved_search_is_extended_from_its_copy(searches):
+    """The second search was copied elsewhere, its original removed, and its trials.json
+    named weights by absolute paths under the folder gone (as searches wrote it before
+    they were relative): the extension finds them in the copy, and its ensemble takes
+    every earlier trial whose weights the second search kept."""
+    second, third = searches["second"], searches["third"]["summary"]
+    assert not (searches["storage"] / "second").exists()
+    gone = [row["weights"] for row in searches["absolute"]["trials"] if row["weights"]
+            and row["weights"].startswith(str(searches["storage"] / "second") + os.sep)]
+    assert gone and not any(Path(w).exists() for w in gone)
+    kept = set(second["summary"]["models"])     # its best and members, in its models/
+    assert kept and kept <= set(third["ensemble"]["members"])
+    assert not kept & set(third["extends"]["left_out"])
+    assert set(third["ensemble"]["members"]) == set(third["ensemble"]["candidates"])
+    for tid in kept:  # the weights read from the copy are those the second search kept
+        assert (searches["third"]["dir"] / "models" / tid / "config.yaml").is_file()
 
 
 def test_another_budget_is_a_prior_only(searches, tiny_model_dir):
@@ -348,7 +383,8 @@ def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path
     assert rc == 0, err[-3000:]
     first = json.loads((root / "first" / "trials.json").read_text())
     kept = {t["trial_id"]: t["weights"] for t in first["trials"] if t["weights"]}
-    assert kept and all(is_uri(w) and w.startswith(root.as_uri()) for w in kept.values())
+    # named relative to the experiment folder, not by the URI (nor a staging path)
+    assert kept and all(w == f"models/{tid}" and not is_uri(w) for tid, w in kept.items())
     rc, out, err = _main(["--extend", "first", "--num-samples", "1", "--experiment", "second",
                           "--ensemble-top-k", "3", "--ensemble", "vote", *common])
     assert rc == 0, err[-3000:]
@@ -363,10 +399,9 @@ def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path
         for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
             assert torch.equal(x, y), name
     grown = json.loads((root / "second" / "trials.json").read_text())
-    assert {t["weights"] for t in grown["trials"] if t["weights"]} <= {
-        (root / "second" / "models" / t).as_uri() for t in kept} | {
-        (root / "second" / "models" / t["trial_id"]).as_uri() for t in grown["trials"]} | set(
-        kept.values())
+    weights = [t["weights"] for t in grown["trials"] if t["weights"]]
+    assert weights and all((root / "second" / w / "config.yaml").is_file() for w in weights)
+    assert {w.split("/")[0] for w in weights} <= {"models", ".."}   # theirs, or first's
 
 
 def test_a_resumed_extension_keeps_its_own_settings(searches, tmp_path):

@@ -256,16 +256,18 @@ def known_trials(settings: SearchSettings, records, summary: SearchSummary,
     it inherited, each with where its weights now are -- the exported model
     (``--keep-checkpoints best``), its best checkpoint while training states are kept
     (``all``, or a search that did not finish; on a URI storage the checkpoint's URI,
-    ``stored``, not its local staging copy), else none."""
+    ``stored``, not its local staging copy), else none -- named relative to the
+    experiment folder (``location.relative``: ``models/<trial>``, ``../first/...``)."""
     states_kept = settings.keep_checkpoints == "all" or not complete
     stored = stored or {}
-    own = [KnownTrial(r, settings.experiment, settings.measured_on(),
-                      summary.models.get(r.trial_id)
-                      or (stored.get(r.trial_id, r.best_checkpoint) if states_kept else None))
-           for r in records]
+    relative = settings.location.relative
+    own = [KnownTrial(r, settings.experiment, settings.measured_on(), relative(
+        summary.models.get(r.trial_id)
+        or (stored.get(r.trial_id, r.best_checkpoint) if states_kept else None)))
+        for r in records]
     earlier = settings.extends.known if settings.extends else []
-    return own + [dataclasses.replace(t, weights=summary.models.get(t.record.trial_id)
-                                      or t.weights) for t in earlier]
+    return own + [dataclasses.replace(t, weights=relative(summary.models.get(t.record.trial_id)
+                                                          or t.weights)) for t in earlier]
 
 
 def _finalist_device(settings: SearchSettings) -> str:

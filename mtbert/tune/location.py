@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 import shutil
 from dataclasses import dataclass
@@ -171,6 +172,19 @@ def download_checkpoint(fs, fs_path: str, dest: Path, with_weights: bool) -> Pat
     return dest
 
 
+def _uri_path(uri: str) -> tuple[str, str, str]:
+    """(scheme, path, ``?query`` or "") of a URI."""
+    scheme, _, rest = uri.partition("://")
+    rest, sep, query = rest.partition("?")
+    return scheme, rest, sep + query
+
+
+def _normalized(path: str) -> str:
+    """A URI's path with ``..`` and ``.`` resolved (its leading ``/`` kept: file:///)."""
+    lead = "/" if path.startswith("/") else ""
+    return lead + posixpath.normpath(path).lstrip("/")
+
+
 def weights_at_hand(path: str) -> bool:
     """Whether a kept model's (or checkpoint's) folder is there: a local folder, or a
     URI with something at it."""
@@ -256,6 +270,63 @@ class ExperimentLocation:
         """Copy the local experiment files to the URI (nothing for a local storage)."""
         if self.exp_uri:
             upload_tree(self.exp_dir, self.exp_uri, skip=skip)
+
+    def relative(self, path: str | None) -> str | None:
+        """A folder of this experiment, or of another one in its storage (a local path, or
+        a URI on a URI storage), as ``trials.json`` names it: relative to the experiment
+        folder -- ``models/<trial>``, ``trial_<id>/checkpoint_000002``,
+        ``../first/models/<trial>`` -- as Ray names checkpoints, so that a search folder
+        (or the storage) copied or moved still finds its weights.  A path outside the
+        storage stays as it is."""
+        if not path:
+            return None
+        if self.storage_uri:
+            if not is_uri(path):
+                return path
+            root, rest = _uri_path(self.storage_uri)[1], _uri_path(path)[1]
+            if _uri_path(path)[0] != _uri_path(self.storage_uri)[0] \
+                    or not rest.startswith(root.rstrip("/") + "/"):
+                return path
+            return posixpath.relpath(rest, posixpath.join(root, self.experiment))
+        if is_uri(path):
+            return path
+        where = Path(path).resolve()
+        try:
+            where.relative_to(self.storage.resolve())
+        except ValueError:
+            return path
+        return Path(os.path.relpath(where, self.exp_dir.resolve())).as_posix()
+
+    def resolved(self, path: str | None, experiments: tuple[str, ...] = ()) -> str | None:
+        """A weights entry of this experiment's ``trials.json`` as a folder (or URI) to
+        read.  Relative (:meth:`relative`): under this experiment folder.  Absolute (as
+        searches named them before): itself where it exists, else the same place relative
+        to the experiment folder it named, moved here -- the last of its parts that is
+        one of ``experiments``: the first is the search that wrote the file (now this
+        folder, whatever its name), the others (a trial's own search) are folders of this
+        storage -- where that exists, so that a search copied or moved keeps reading its
+        old file.  Otherwise the path as written (the ensemble then says it is gone)."""
+        if not path:
+            return None
+        if not is_uri(path) and not os.path.isabs(path):
+            if self.exp_uri:
+                scheme, rest, query = _uri_path(self.exp_uri)
+                return f"{scheme}://{_normalized(posixpath.join(rest, path))}{query}"
+            return os.path.normpath(self.exp_dir / path)
+        if weights_at_hand(path):
+            return path
+        parts = _uri_path(path)[1].split("/") if is_uri(path) else list(Path(path).parts)
+        for i, name in enumerate(experiments):
+            if not name or name not in parts[:-1]:
+                continue
+            tail = parts[len(parts) - 1 - parts[-2::-1].index(name):]
+            if self.storage_uri:
+                moved = join(self.exp_uri if i == 0 else join(self.storage_uri, name), *tail)
+            else:
+                moved = str((self.exp_dir if i == 0 else self.storage / name).joinpath(*tail))
+            if weights_at_hand(moved):
+                return moved
+        return path
 
     def stage_earlier_weights(self, records) -> None:
         """Local copies (under ``STAGED_CHECKPOINTS``) of the weights of an earlier

@@ -280,10 +280,12 @@ def _parse_saved_settings(text: str, name: str, flag: str) -> dict[str, Any]:
 
 def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str | None,
                       ) -> tuple[dict[str, Any], dict[str, Any], SearchSpace, str]:
-    """``--extend NAME``: (its saved settings, its parsed trials.json, its space, the
-    trials file as errors name it), the values of :data:`EXTEND_INHERITS` not given on
-    the command line (``args.given``, set by the CLI) taken from it.  ConfigError for a
-    search that is not there, not finished, damaged, or of another space."""
+    """``--extend NAME``: (its saved settings, its parsed trials.json -- each trial's
+    weights resolved against the folder read: ``ExperimentLocation.resolved`` --, its
+    space, the trials file as errors name it), the values of :data:`EXTEND_INHERITS` not
+    given on the command line (``args.given``, set by the CLI) taken from it.
+    ConfigError for a search that is not there, not finished, damaged, or of another
+    space."""
     name = args.extend
     where = loc.ExperimentLocation(storage, name, storage_uri)
     folder = where.ray_experiment  # the URI copy where there is one
@@ -304,6 +306,10 @@ def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str 
         raise ConfigError(f"--extend {name}: the search did not finish (interrupted, or trials "
                           f"never started): finish it with --resume --experiment {name}, "
                           "then extend it")
+    for row in trials["trials"]:  # relative to the folder read (absolute: before they were)
+        row["weights"] = where.resolved(row.get("weights"),
+                                        (str(trials.get("experiment") or name),
+                                         str(row.get("origin") or "")))
     space = parse_space(saved["space"], saved["space_path"])
     if args.resume:  # the extension's own saved settings were merged: they stand
         return saved, trials, space, trials_name
