@@ -1,0 +1,351 @@
+"""The search side by side with what a user would pick instead: ``tune_driver.py`` against
+``transformers.Trainer.hyperparameter_search`` (backends ray and optuna) and a plain Ray
+Tune script, the same search problem for each, over seeds.
+
+    python -m bench.peers [--seeds 0,1,2] [--methods project,plain_ray,hf_ray,hf_optuna]
+        [--space smart] [--budget small] [--num-samples N] [--cpus-per-trial 1]
+        [--gpus-per-trial 0] [--max-concurrent 2] [--data-dir DIR] [--model MODEL]
+        [--out bench_results/peers] [--json docs/bench/peers_cpu.json] [--report-only]
+
+Methods (bench/peer_ray.py and bench/peer_hf.py say how each peer is written):
+
+* ``project``   -- ``tune_driver.py`` with its defaults and ``--space --budget --seed``;
+* ``plain_ray`` -- a function trainable around ``mtbert.trainer.Trainer`` reporting with
+  ``tune.report``, ``ASHAScheduler`` and ``OptunaSearch``, one trial per worker;
+* ``hf_ray``    -- ``Trainer.hyperparameter_search(backend="ray")`` with ``ASHAScheduler``
+  and ``OptunaSearch``;
+* ``hf_optuna`` -- ``Trainer.hyperparameter_search(backend="optuna")`` with a seeded TPE
+  sampler and ``SuccessiveHalvingPruner``, one trial at a time on all the trial slots'
+  CPUs (the HF integration trains every trial on one Trainer object).
+
+Every method gets the space, the budget (examples per trial, evaluation points, ASHA's
+rungs), the number of trials, the seed and the data rows that ``tune_driver.py`` resolves
+for these arguments (bench/peer_problem.py), and the same trial slots (``--cpus-per-trial``
+each, ``--max-concurrent`` at once).  Each (method, seed) runs in a process of its own
+(its own Ray start, as a user's script has), one after another; the bench measures its
+wall time and the CPU seconds of the process and all its descendants (Ray's workers).
+Per method and seed it records: wall; examples trained (each trial's last evaluation);
+CPU busy = CPU seconds / (wall x cores); the selected trial (each tool's own pick) and
+the val and dev overall of its model, both scored here with the project's evaluation
+code on the same rows (dev never selects); the trials that trained to the end of the
+budget; the digest of the rows each trial trained on and the space the method searched
+(checked equal across methods).  Runs are kept in ``OUT/runs.json`` (later calls add to
+it; the settings must match) and written with the figures to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import DATA_DIR, REPO, RESULTS
+from bench.peer_problem import OBJECTIVE, TreeCPU, driver_argv, load_problem, score
+from mtbert.config import EMBEDDED_MODEL
+
+METHODS = {
+    "project": "tune_driver.py, its defaults",
+    "plain_ray": "a plain Ray Tune script: function trainable, ASHAScheduler, OptunaSearch",
+    "hf_ray": "Trainer.hyperparameter_search(backend='ray'): ASHAScheduler, OptunaSearch",
+    "hf_optuna": "Trainer.hyperparameter_search(backend='optuna'): TPE, "
+                 "SuccessiveHalvingPruner",
+}
+PEERS = [m for m in METHODS if m != "project"]
+#: the settings every run kept in one runs.json shares
+SAME = ("space", "budget", "num_samples", "cpus_per_trial", "gpus_per_trial",
+        "max_concurrent", "data_dir", "model")
+
+
+class BenchArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = BenchArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--space", default="smart")
+    p.add_argument("--budget", default="small")
+    p.add_argument("--num-samples", type=int, help="trials per search (default: the budget's)")
+    p.add_argument("--cpus-per-trial", type=float, default=1.0)
+    p.add_argument("--gpus-per-trial", type=float, default=0.0,
+                   help="each trial's share of a GPU (0: train on the CPU)")
+    p.add_argument("--max-concurrent", type=int, default=2, help="trials at once")
+    p.add_argument("--data-dir", default=str(DATA_DIR))
+    p.add_argument("--model", default=EMBEDDED_MODEL)
+    p.add_argument("--out", default=str(RESULTS / "peers"),
+                   help="keeps runs.json and each run's folder (removed once recorded, "
+                        "unless --keep-runs)")
+    p.add_argument("--json", default=str(REPO / "docs" / "bench" / "peers_cpu.json"),
+                   help="where the runs and figures are written")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep each run's folder (Ray's trials, checkpoints) under OUT")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the figures of the runs in OUT/runs.json")
+    p.add_argument("--one", choices=list(METHODS), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.method_list if m not in METHODS]
+    if unknown or not args.method_list:
+        p.error(f"--methods {args.methods}: unknown {unknown}; choose from {', '.join(METHODS)}")
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds {args.seeds}: expected integers separated by commas")
+    if not args.seed_list:
+        p.error("--seeds: give at least one seed")
+    if args.num_samples is not None and args.num_samples < 1:
+        p.error(f"--num-samples {args.num_samples}: must be >= 1")
+    if args.max_concurrent < 1 or args.cpus_per_trial <= 0:
+        p.error("--max-concurrent and --cpus-per-trial must be positive")
+    if not 0 <= args.gpus_per_trial <= 1:
+        p.error(f"--gpus-per-trial {args.gpus_per_trial}: expected a share of one GPU, 0 to 1")
+    return p, args
+
+
+def problem_argv(args, seed: int, storage: Path, experiment: str) -> list[str]:
+    """``tune_driver.py``'s arguments for this bench's settings and ``seed``."""
+    return driver_argv(args.space, args.budget, seed, args.data_dir, args.model, str(storage),
+                       experiment, args.num_samples, args.cpus_per_trial,
+                       args.gpus_per_trial, args.max_concurrent)
+
+
+# ---------------------------------------------------------------------- one run
+def run_method(method: str, argv: list[str], out: Path, cpus_per_trial: float = 1.0,
+               gpus_per_trial: float = 0.0, max_concurrent: int = 2) -> dict[str, Any]:
+    """Run ``method`` on the problem of ``tune_driver.py argv`` in this process (inside a
+    Ray already started, if one is), writing under ``out``; then score its selected trial
+    on val and dev.  Returns the run's record (no wall or CPU figures: the caller's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    problem = load_problem(argv)
+    if method == "project":
+        record = _run_project(argv)
+    elif method == "plain_ray":
+        from bench.peer_ray import run_plain_ray
+        record = run_plain_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent)
+    elif method == "hf_ray":
+        from bench.peer_hf import run_hf_ray
+        record = run_hf_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent)
+    else:
+        from bench.peer_hf import run_hf_optuna
+        record = run_hf_optuna(problem, out, threads=max(1, int(cpus_per_trial
+                                                                * max_concurrent)))
+    selected = record["selected"]
+    cfg, model = _selected_model(problem, selected)
+    for split in ("val", "dev"):
+        metrics = score(model, cfg, problem.data, split)
+        selected[split] = metrics[f"{split}/overall"]
+        selected[f"{split}_se"] = metrics[f"{split}/overall_se"]
+    from bench.peer_problem import rows_digest
+    end = problem.budget.max_examples
+    record.update(method=method, seed=problem.seed, problem_rows=rows_digest(problem.data),
+                  examples=sum(t["examples"] for t in record["trials"]),
+                  trials_at_end=sum(t["examples"] >= end for t in record["trials"]),
+                  num_trials=len(record["trials"]), max_examples=end,
+                  eval_points=problem.eval_points(), rungs=problem.budget.rungs())
+    return record
+
+
+def _run_project(argv: list[str]) -> dict[str, Any]:
+    """``tune_driver.py argv`` (its command-line entry, in this process) and what its
+    summary.json records."""
+    from mtbert.config import TrainConfig
+    from mtbert.data import load_data
+    from mtbert.tune.cli import main
+    from bench.peer_problem import canonical_space, rows_digest
+
+    rc = main(argv)
+    if rc != 0:
+        raise RuntimeError(f"tune_driver.py exited {rc}")
+    storage = Path(argv[argv.index("--storage-path") + 1])
+    summary = json.loads((storage / argv[argv.index("--experiment") + 1]
+                          / "summary.json").read_text(encoding="utf-8"))
+    best = summary["best_trial"]
+    # the rows the project's trials trained on: what the selected trial's recorded config loads
+    rows = rows_digest(load_data(TrainConfig.from_dict(best["config"], source="summary.json")))
+    trials = [{"trial_id": t["trial_id"], "state": t["status"],
+               "examples": int(t.get("examples_seen") or 0), "rows": rows}
+              for t in summary["trials"]]
+    return {"trials": trials, "space": canonical_space(summary["space"]["params"]),
+            "examples_trained_own_count": summary.get("examples_trained"),
+            "selected": {"trial_id": best["trial_id"], "config": best["searched"],
+                         # --keep-checkpoints best (the default) keeps its weights there
+                         "checkpoint": str(Path(summary["experiment_dir"]) / "models"
+                                           / best["trial_id"]), "loader": "exported",
+                         "summary_val": best["val"].get("overall"),
+                         "summary_dev": best["dev"].get("overall")}}
+
+
+def _selected_model(problem, selected: dict):
+    """The selected trial's model: a project checkpoint folder, an exported model (the
+    project's kept models) or an HF checkpoint folder."""
+    if selected["loader"] == "hf":
+        from bench.peer_hf import load_hf_checkpoint
+        return load_hf_checkpoint(problem, selected["config"], selected["checkpoint"])
+    if selected["loader"] == "exported":
+        from mtbert.model_files import load_model
+        return load_model(selected["checkpoint"])
+    from mtbert.inference import load_checkpoint_model
+    return load_checkpoint_model(selected["checkpoint"])
+
+
+# ---------------------------------------------------------------------- the bench
+def _one(args) -> int:
+    """``--one METHOD``: one run, its record written to ``--result``."""
+    from mtbert.tune import cluster
+
+    cluster.quiet_environment()
+    seed = args.seed_list[0]
+    folder = Path(args.out) / f"{args.one}-seed{seed}"
+    shutil.rmtree(folder, ignore_errors=True)
+    argv = problem_argv(args, seed, folder / "project", f"peers-seed{seed}")
+    record = run_method(args.one, argv, folder, args.cpus_per_trial, args.gpus_per_trial,
+                        args.max_concurrent)
+    Path(args.result).write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+    return 0
+
+
+def measure(method: str, seed: int, args, out: Path) -> dict[str, Any]:
+    """Run ``method`` for ``seed`` in a process of its own; its record with wall time, the
+    CPU seconds of its process tree and the machine's load."""
+    import psutil  # deferred: the bench's extra
+
+    result = out / f"{method}-seed{seed}.json"
+    result.unlink(missing_ok=True)
+    log = out / f"{method}-seed{seed}.log"
+    cmd = [sys.executable, "-m", "bench.peers", "--one", method, "--seeds", str(seed),
+           "--result", str(result)] + [f"--{k.replace('_', '-')}={getattr(args, k)}"
+                                       for k in SAME if getattr(args, k) is not None]
+    cmd += ["--out", str(out)]
+    load_before = os.getloadavg()
+    started = time.time()
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+        meter = TreeCPU(proc.pid)
+        rc = proc.wait()
+    cpu_s = meter.stop()
+    cores = psutil.cpu_count() or 1
+    figures = {"wall_s": meter.wall_s, "cpu_s": cpu_s,
+               "cpu_busy": cpu_s / (meter.wall_s * cores), "cores": cores,
+               "machine_busy": meter.machine_busy, "load_before": load_before,
+               "load_after": os.getloadavg(), "started_at": started, "rc": rc,
+               "log": str(log)}
+    if rc != 0 or not result.is_file():
+        return {"method": method, "seed": seed, "failed": True, **figures}
+    record = json.loads(result.read_text(encoding="utf-8"))
+    if not args.keep_runs:
+        shutil.rmtree(out / f"{method}-seed{seed}", ignore_errors=True)
+    return {**record, **figures}
+
+
+def figures(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
+    """Per seed: this project's wall over each peer's, whether its dev is within one
+    standard error of the best peer's; whether every method saw the same rows and space."""
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    per_seed = {}
+    for seed in seeds:
+        done = {m: r[seed] for m, r in runs.items() if seed in r and not r[seed].get("failed")}
+        row: dict[str, Any] = {}
+        project = done.get("project")
+        peers = {m: r for m, r in done.items() if m != "project"}
+        if project and peers:
+            row["wall_ratio"] = {m: project["wall_s"] / r["wall_s"] for m, r in peers.items()}
+            best = max(peers, key=lambda m: peers[m]["selected"]["dev"])
+            gap = project["selected"]["dev"] - peers[best]["selected"]["dev"]
+            row["best_peer_dev"] = best
+            row["dev_minus_best_peer"] = gap
+            row["dev_within_one_se"] = gap >= -project["selected"]["dev_se"]
+        digests = {json.dumps(t["rows"], sort_keys=True) for r in done.values()
+                   for t in r["trials"] if t.get("rows")}
+        digests |= {json.dumps(r["problem_rows"], sort_keys=True) for r in done.values()}
+        row["same_rows"] = len(digests) == 1
+        row["same_space"] = len({json.dumps(r["space"], sort_keys=True)
+                                 for r in done.values()}) == 1
+        per_seed[str(seed)] = row
+    return per_seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    if args.one:
+        return _one(args)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file = out / "runs.json"
+    kept = json.loads(runs_file.read_text(encoding="utf-8")) if runs_file.is_file() else None
+    settings = {k: getattr(args, k) for k in SAME}
+    if kept and kept["settings"] != settings:
+        p.error(f"{runs_file}: its runs used other settings; pass another --out")
+    runs = {m: {int(s): r for s, r in by_seed.items()}
+            for m, by_seed in (kept or {}).get("runs", {}).items()}
+    if not args.report_only:
+        _check_problem(args, p, out)
+        command = "python -m bench.peers " + " ".join(argv if argv is not None else sys.argv[1:])
+        for seed in args.seed_list:
+            for method in args.method_list:
+                record = measure(method, seed, args, out)
+                record["command"] = command
+                runs.setdefault(method, {})[seed] = record
+                _print_run(record)
+                _write(runs_file, args, settings, runs)
+    _write(runs_file, args, settings, runs)
+    return 0
+
+
+def _check_problem(args, p, out: Path) -> None:
+    """Bad input (a space, a budget, the data, the model) -> one ``error:`` line, exit 2,
+    before any run starts."""
+    from mtbert.errors import MtbertError
+    from mtbert.tune.cli import build_parser as driver_parser
+    from mtbert.tune.settings import resolve_settings
+
+    try:
+        driver = driver_parser().parse_args(problem_argv(args, args.seed_list[0],
+                                                         out / "check", "check"))
+        driver.given = frozenset()
+        resolve_settings(driver)
+    except MtbertError as exc:
+        p.error(" ".join(str(exc).split()))
+    except SystemExit:
+        p.error("the driver refused these settings (see above)")
+
+
+def _print_run(r: dict) -> None:
+    if r.get("failed"):
+        print(f"[peers] {r['method']} seed {r['seed']}: FAILED (rc {r['rc']}; log {r['log']})",
+              flush=True)
+        return
+    s = r["selected"]
+    print(f"[peers] {r['method']:<10} seed {r['seed']}: wall {r['wall_s']:.0f} s, "
+          f"{r['examples']} examples, CPU busy {r['cpu_busy']:.2f} (machine "
+          f"{r['machine_busy']:.2f}), val {s['val']:.4f}, dev {s['dev']:.4f} ± "
+          f"{s['dev_se']:.4f}, {r['trials_at_end']}/{r['num_trials']} trials to the end",
+          flush=True)
+
+
+def _write(runs_file: Path, args, settings: dict, runs: dict) -> None:
+    doc = {"settings": settings, "objective": OBJECTIVE, "methods": METHODS,
+           "runs": {m: {str(s): r for s, r in sorted(by.items())} for m, by in runs.items()},
+           "figures": figures(runs)}
+    runs_file.write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
+    target = Path(args.json)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
