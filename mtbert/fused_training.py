@@ -1,0 +1,301 @@
+"""Train N configurations at once: those of one structure fused into one model.
+
+:func:`train_fused` groups the configurations by :func:`fuse_key` (what the fused step is
+built from: the model and its heads, the pair encoding, the losses and the gradient
+combiner, each task's batch size, the data); each group of two or more that can fuse
+trains as one :class:`FusedGroup`, every other configuration alone with the
+:class:`~mtbert.trainer.Trainer` (:func:`unfusable` says why, in one line).
+
+A :class:`FusedGroup` builds one :class:`~mtbert.trainer.Trainer` per trial, as its solo
+run builds it (initial weights from its seed, pre-training, batchers, schedule, LR
+schedule, optimizer), so each trial keeps everything a solo run has: its batches in its
+order, its evaluations, history, checkpoints and predictions, written by its own
+trainer into its own folder (the same files as a solo run's; a checkpoint resumes solo).
+Only the step is shared: the trials' models are stacked (:mod:`mtbert.fused_model`; each
+trial model's parameters become views of its slice) and one fused step trains them all,
+with a per-trial AdamW (:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer
+holds as views too, so a trial's checkpoint holds its own optimizer state.
+
+Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
+train different tasks in the same step: the fused step runs every task in the union;
+a trial without that task gets filler rows, its loss is multiplied by 0 and its update
+masked out where its own tasks did not reach (``TrialAdamW``).  A trial that ends (its
+budget, a non-finite loss) leaves the others going; its slices no longer step.
+
+Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
+weight decay, clipping norm, the fixed loss weights, dropout.  Not fused yet: SMART,
+PCGrad, uncertainty weighting, ``torch.compile`` and CUDA graphs of the fused step (the
+fused step is eager; on CUDA the trials train with ``step_mode=eager``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from mtbert import graph_reuse
+from mtbert.config import TrainConfig
+from mtbert.data import MultitaskData, real_rows
+from mtbert.fused_adamw import TrialAdamW
+from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
+from mtbert.pretrained import load_model_config
+from mtbert.step_graphs import reached_parameters
+from mtbert.tasks import TASK_NAMES
+from mtbert.trainer import NonFiniteLossError, Trainer
+
+#: settings that must be equal within a group besides the step's structure: the data
+#: (one MultitaskData serves the group) and the threads of the one process
+SHARED_SETTINGS = ("data_dir", "cache_dir", "val_fraction", "split_seed", "max_train_per_task",
+                   "max_eval_per_task", "bad_row_tolerance", "threads")
+#: settings of the step's structure (graph_reuse.structure) that a fused trial holds as a
+#: tensor of its own
+PER_TRIAL = frozenset({"w_sst", "w_qqp", "w_sts"})
+
+
+def fuse_key(cfg: TrainConfig) -> tuple:
+    """Trials with equal keys train as one fused model: the step's structure
+    (:func:`mtbert.graph_reuse.structure`, the fixed loss weights aside), each task's batch
+    size and :data:`SHARED_SETTINGS`."""
+    structure = tuple(item for item in graph_reuse.structure(cfg) if item[0] not in PER_TRIAL)
+    return structure + (("task_batch_sizes", tuple(cfg.task_batch_size(t) for t in TASK_NAMES)),
+                        ("shared", tuple(getattr(cfg, k) for k in SHARED_SETTINGS)))
+
+
+def unfusable(cfg: TrainConfig) -> str | None:
+    """Why ``cfg`` trains alone (one line), or None when it can fuse."""
+    if any(cfg.smart_lambda(t) > 0 for t in TASK_NAMES):
+        return "SMART's terms are not fused yet"
+    if cfg.pcgrad:
+        return "PCGrad's per-task backwards are not fused"
+    if cfg.loss_weighting == "uncertainty":
+        return "uncertainty weighting's learned task weights are not stacked yet"
+    if cfg.compile != "none":
+        return f"compile={cfg.compile}: torch.compile of the fused step is not built"
+    if cfg.step_mode == "graphs":
+        return "step_mode=graphs: the fused step runs eagerly (no fused CUDA graphs yet)"
+    model_type = getattr(load_model_config(cfg.model), "model_type", None)
+    if model_type not in FUSABLE_MODEL_TYPES:
+        return (f"model_type {model_type!r}: the fused step is built for "
+                f"{', '.join(FUSABLE_MODEL_TYPES)} encoders")
+    return None
+
+
+def plan_groups(cfgs: list[TrainConfig]) -> list[tuple[list[int], str | None]]:
+    """(indices of the configurations, why they train alone or None) per group, in the
+    order of their first configuration: a fusable structure's configurations together, an
+    unfusable one's each alone."""
+    groups: dict[tuple, list[int]] = {}
+    reasons: dict[int, str] = {}
+    for i, cfg in enumerate(cfgs):
+        reason = unfusable(cfg)
+        if reason is not None:
+            reasons[i] = reason
+            groups[("alone", i)] = [i]
+        else:
+            groups.setdefault(fuse_key(cfg), []).append(i)
+    return [(members, reasons.get(members[0])) for members in groups.values()]
+
+
+def eager(cfg: TrainConfig) -> TrainConfig:
+    """The trial's config as its fused run trains it: the step is eager."""
+    return cfg if cfg.step_mode == "eager" else cfg.replace(step_mode="eager")
+
+
+class FusedGroup:
+    """N trials of one structure trained as one model (see the module doc).  ``models``:
+    each trial's initial model (default: built by its trainer from its seed, as solo);
+    ``trainer_options``: passed to every :class:`Trainer` (``report``, ``checkpoints``)."""
+
+    def __init__(self, cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
+                 models: list | None = None, **trainer_options):
+        keys = {fuse_key(c) for c in cfgs}
+        if len(keys) != 1:
+            raise ValueError("a fused group's configurations must share one structure "
+                             "(fuse_key)")
+        self.trainers = [Trainer(eager(cfg), data, out, model=None if models is None
+                                 else models[i], **trainer_options)
+                         for i, (cfg, out) in enumerate(zip(cfgs, out_dirs))]
+        first = self.trainers[0]
+        self.cfg, self.device, self.n = first.cfg, first.device, len(cfgs)
+        self.pad_id = data.pad_id
+        models = [t.model for t in self.trainers]
+        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trainers], self.cfg.dropout)
+        self.fused.bind(models)
+        self._build_optimizer()
+        self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
+        self.timings = {"steps": 0, "step_s": 0.0}
+
+    def _build_optimizer(self) -> None:
+        """The per-trial AdamW over the stacked parameters, its groups those of the trials'
+        own optimizers (named alike in every trial); each trial's optimizer then holds views
+        of its slices of the moments and step counts (a restored state is taken in first)."""
+        first = self.trainers[0]
+        ids = {id(p): name for name, p in first.model.named_parameters()}
+        group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
+                    for p in group["params"] if id(p) in ids}
+        if len(group_of) != len(self.fused.params):
+            raise ValueError("a fused trial's optimizer holds parameters outside its model")
+        self.group_of = group_of
+        self.optimizer = TrialAdamW({k: self.fused.params[k] for k in group_of}, group_of)
+        self.weight_decays = self._per_group("weight_decay")
+        for n, trainer in enumerate(self.trainers):
+            own = dict(trainer.model.named_parameters())
+            for name, state in self.optimizer.state.items():
+                held = trainer.optimizer.state.get(own[name])
+                if held:  # resumed: its solo state goes into the stacked one
+                    for key in ("step", "exp_avg", "exp_avg_sq"):
+                        state[key][n].copy_(held[key])
+                trainer.optimizer.state[own[name]] = {key: state[key][n] for key in
+                                                      ("step", "exp_avg", "exp_avg_sq")}
+        self.max_norms = torch.tensor([t.cfg.max_grad_norm for t in self.trainers],
+                                      dtype=torch.float64, device=self.device)
+        for trainer in self.trainers:
+            # its LR schedule steps while its own optimizer never does (the fused one steps
+            # for it): torch's warning about that order does not apply
+            trainer.optimizer._opt_called = True
+        self.loss_weights = {
+            task: torch.tensor([getattr(t.cfg, f"w_{task}") if t.cfg.loss_weighting == "fixed"
+                                else 1.0 for t in self.trainers],
+                               dtype=torch.float64, device=self.device)
+            for task in TASK_NAMES}
+
+    def _per_group(self, key: str) -> list[list[float]]:
+        """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
+        schedule writes ``lr`` there before every step)."""
+        return [[float(t.optimizer.param_groups[g][key]) for t in self.trainers]
+                for g in range(len(self.trainers[0].optimizer.param_groups))]
+
+    # ------------------------------------------------------------------ training
+    def fit(self) -> list[dict | BaseException]:
+        """Train every trial to its end; returns each one's final metrics (as
+        :meth:`Trainer.fit` does), or the error that stopped it (a non-finite loss)."""
+        results: list[dict | BaseException | None] = [None] * self.n
+        steps = []
+        for trainer in self.trainers:
+            trainer._start = time.perf_counter()
+            trainer._examples_at_start = trainer.examples_seen
+            trainer.log(f"[mtbert] device={self.device} step=fused ({self.n} trials) "
+                        f"schedule={trainer.cfg.schedule} update={trainer.cfg.update} "
+                        f"optimizer steps≈{trainer.total_steps}")
+            if (trainer.cfg.eval_at_start and trainer.evaluations == 0
+                    and trainer.examples_seen == 0):
+                trainer._evaluate_and_report()
+            steps.append(self._trial_steps(trainer))
+        active = list(range(self.n))
+        try:
+            while active:
+                batches = {}
+                for n in list(active):
+                    try:
+                        batches[n] = next(steps[n])
+                    except StopIteration:
+                        active.remove(n)
+                        results[n] = self.trainers[n].finish()
+                    except NonFiniteLossError as exc:
+                        active.remove(n)
+                        self.trainers[n].checkpoint_writer.close()
+                        results[n] = exc
+                if batches:
+                    self.step(batches)
+        finally:
+            for trainer in self.trainers:
+                trainer.checkpoint_writer.close()
+        return results
+
+    @staticmethod
+    def _trial_steps(trainer: Trainer):
+        """One trial's optimizer steps ({task: host batch} each), in its solo order; its
+        schedule's bookkeeping (evaluations, budget) runs between them."""
+        for group in trainer.schedule_steps():
+            batches = trainer.next_batches(group)
+            yield from trainer.update_steps(batches)
+            trainer.examples_seen += sum(real_rows(b) for b in batches.values())
+
+    def step(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+        """One fused optimizer step: trial n (a key of ``batches``) trains on its
+        ``batches[n]`` ({task: host batch}); the others do not move."""
+        started = time.perf_counter()
+        tasks = [t for t in TASK_NAMES if any(t in b for b in batches.values())]
+        present = {t: torch.tensor([n in batches and t in batches[n] for n in range(self.n)],
+                                   device=self.device) for t in tasks}
+        stepping = torch.tensor([n in batches for n in range(self.n)], device=self.device)
+        losses = {}
+        total = 0.0
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.trainers[0].autocast):
+            for task in tasks:
+                host = stack_batches([batches.get(n, {}).get(task) for n in range(self.n)],
+                                     self.pad_id)
+                per_trial = self.fused.task_losses(task, self.trainers[0]._to_device(host),
+                                                   self.cfg)
+                if task not in self.reach:
+                    reached = reached_parameters(per_trial)
+                    self.reach[task] = {k for k, p in self.fused.params.items()
+                                        if id(p) in reached}
+                losses[task] = per_trial
+                weight = self.loss_weights[task] * present[task]
+                total = total + (per_trial * weight.to(per_trial.dtype)).sum()
+            penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
+            if penalty is not None:
+                total = total + (penalty * stepping.to(penalty.dtype)).sum()
+        total.backward()
+        masks = self._masks(batches, penalty is not None)
+        self._clip()
+        lrs = self._per_group("lr")
+        self.optimizer.step(lrs, self.weight_decays, masks)
+        for p in self.fused.params.values():
+            p.grad = None
+        for n, trial_batches in batches.items():
+            trainer = self.trainers[n]
+            trainer._note_losses({t: losses[t][n] for t in trial_batches})
+            trainer.lr_scheduler.step()
+            trainer.optimizer_steps += 1
+        self.timings["steps"] += 1
+        self.timings["step_s"] += time.perf_counter() - started
+
+    def _masks(self, batches: dict[int, dict], penalty: bool) -> dict[str, list[bool]]:
+        """name -> N booleans: the trials whose step reached the parameter (their own
+        tasks' losses, and the L1/L2 penalty's parameters in every stepping trial)."""
+        penalised = set(self.fused.penalised) if penalty else set()
+        reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
+                   if n in batches else set() for n in range(self.n)]
+        return {name: [name in reached[n] for n in range(self.n)] for name in self.fused.params}
+
+    def _clip(self) -> None:
+        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped), the norm
+        over all its parameters as ``torch.nn.utils.clip_grad_norm_`` takes it."""
+        grads = [p.grad for p in self.fused.params.values() if p.grad is not None]
+        if not grads or not any(t.cfg.max_grad_norm for t in self.trainers):
+            return
+        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
+        total = torch.linalg.vector_norm(norms, dim=0)
+        coef = (self.max_norms.to(total.dtype) / (total + 1e-6)).clamp(max=1.0)
+        coef = torch.where(self.max_norms > 0, coef, torch.ones_like(coef))
+        for g in grads:
+            g.mul_(coef.to(g.dtype).view((-1,) + (1,) * (g.ndim - 1)))
+
+
+def train_fused(cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
+                log=print) -> list[dict | BaseException]:
+    """Train every configuration into its folder (``out_dirs[i]``, the files of a solo
+    run): each fusable structure's configurations as one :class:`FusedGroup`, the others
+    alone (the reason logged).  Returns each one's final metrics or the error that stopped
+    it, in the order of ``cfgs``."""
+    results: list[dict | BaseException | None] = [None] * len(cfgs)
+    for members, reason in plan_groups(cfgs):
+        if reason is not None or len(members) == 1:
+            i = members[0]
+            if reason is not None:
+                log(f"[mtbert] {out_dirs[i]}: trains alone: {reason}")
+            try:
+                results[i] = Trainer(cfgs[i], data, out_dirs[i]).fit()
+            except NonFiniteLossError as exc:
+                results[i] = exc
+            continue
+        log(f"[mtbert] {len(members)} trials fused: {', '.join(str(out_dirs[i]) for i in members)}")
+        group = FusedGroup([cfgs[i] for i in members], data, [out_dirs[i] for i in members])
+        for i, result in zip(members, group.fit()):
+            results[i] = result
+    return results
