@@ -178,7 +178,8 @@ def _run_project(argv: list[str]) -> dict[str, Any]:
     # the rows the project's trials trained on: what the selected trial's recorded config loads
     rows = rows_digest(load_data(TrainConfig.from_dict(best["config"], source="summary.json")))
     trials = [{"trial_id": t["trial_id"], "state": t["status"],
-               "examples": int(t.get("examples_seen") or 0), "rows": rows}
+               "examples": int(t.get("examples_seen") or 0),
+               "examples_trained_own_count": t.get("examples_trained"), "rows": rows}
               for t in summary["trials"]]
     return {"trials": trials, "space": canonical_space(summary["space"]["params"]),
             "examples_trained_own_count": summary.get("examples_trained"),
@@ -186,8 +187,8 @@ def _run_project(argv: list[str]) -> dict[str, Any]:
                          # --keep-checkpoints best (the default) keeps its weights there
                          "checkpoint": str(Path(summary["experiment_dir"]) / "models"
                                            / best["trial_id"]), "loader": "exported",
-                         "summary_val": best["val"].get("overall"),
-                         "summary_dev": best["dev"].get("overall")}}
+                         "summary_val": best["val"].get("val/overall"),
+                         "summary_dev": best["dev"].get("dev/overall")}}
 
 
 def _selected_model(problem, selected: dict):
@@ -309,19 +310,25 @@ def main(argv: list[str] | None = None) -> int:
 def _check_problem(args, p, out: Path) -> None:
     """Bad input (a space, a budget, the data, the model) -> one ``error:`` line, exit 2,
     before any run starts."""
+    import contextlib
+    import io
+
     from mtbert.errors import MtbertError
     from mtbert.tune.cli import build_parser as driver_parser
     from mtbert.tune.settings import resolve_settings
 
+    said = io.StringIO()
     try:
-        driver = driver_parser().parse_args(problem_argv(args, args.seed_list[0],
-                                                         out / "check", "check"))
+        with contextlib.redirect_stderr(said):  # the driver's parser says its own error:
+            driver = driver_parser().parse_args(problem_argv(args, args.seed_list[0],
+                                                             out / "check", "check"))
         driver.given = frozenset()
         resolve_settings(driver)
     except MtbertError as exc:
         p.error(" ".join(str(exc).split()))
     except SystemExit:
-        p.error("the driver refused these settings (see above)")
+        lines = [ln for ln in said.getvalue().splitlines() if ln.startswith("error: ")]
+        p.error(lines[0][len("error: "):] if lines else "the driver refused these settings")
 
 
 def _print_run(r: dict) -> None:

@@ -55,6 +55,8 @@ INTEGRATION_TESTS = {
     "test_step.py::test_cli_refuses_a_compile_mode_the_device_cannot_run":
         "a python -m mtbert.train process",
     "test_tune_driver.py::test_cli_process_exit_codes": "tune_driver.py processes",
+    "test_peers.py::test_bad_input_is_one_error_line_and_exit_2":
+        "python -m bench.peers processes",
     "test_search_choices.py::test_missing_bohb_package_names_the_extra":
         "a tune_driver process",
     "test_tune_finalize.py::test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed":
