@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 _print_run(record)
                 _write(runs_file, args, settings, runs)
     _write(runs_file, args, settings, runs)
+    print(markdown_table(runs))
     return 0
 
 
@@ -342,6 +343,31 @@ def _print_run(r: dict) -> None:
           f"{r['machine_busy']:.2f}), val {s['val']:.4f}, dev {s['dev']:.4f} ± "
           f"{s['dev_se']:.4f}, {r['trials_at_end']}/{r['num_trials']} trials to the end",
           flush=True)
+
+
+def markdown_table(runs: dict[str, dict[int, dict]]) -> str:
+    """The runs as the page's table: one row per method and seed."""
+    lines = ["| method | seed | wall | project wall / this wall | examples | CPU busy "
+             "(machine) | val overall | dev overall | trials to the end |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
+        project = runs.get("project", {}).get(seed)
+        for method in METHODS:
+            r = runs.get(method, {}).get(seed)
+            if r is None:
+                continue
+            if r.get("failed"):
+                lines.append(f"| `{method}` | {seed} | failed (rc {r['rc']}) | | | | | | |")
+                continue
+            s, wall = r["selected"], r["wall_s"]
+            ratio = (f"{project['wall_s'] / wall:.2f}" if project and method != "project"
+                     and not project.get("failed") else "")
+            lines.append(
+                f"| `{method}` | {seed} | {int(wall // 60)} min {int(wall % 60)} s | {ratio} | "
+                f"{r['examples']:,} | {r['cpu_busy']:.2f} ({r['machine_busy']:.2f}) | "
+                f"{s['val']:.4f} ± {s['val_se']:.4f} | {s['dev']:.4f} ± {s['dev_se']:.4f} | "
+                f"{r['trials_at_end']} of {r['num_trials']} |")
+    return "\n".join(lines)
 
 
 def _write(runs_file: Path, args, settings: dict, runs: dict) -> None:

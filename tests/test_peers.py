@@ -33,7 +33,7 @@ def peer_runs(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
 
 def test_each_method_trains_and_its_pick_is_scored_on_the_same_dev_rows(peer_runs):
-    from bench.peers import figures
+    from bench.peers import figures, markdown_table
 
     assert set(peer_runs) == {"project", "plain_ray", "hf_ray", "hf_optuna"}
     dev_rows = {r["problem_rows"]["dev"] for r in peer_runs.values()}
@@ -64,6 +64,9 @@ def test_each_method_trains_and_its_pick_is_scored_on_the_same_dev_rows(peer_run
     assert row["wall_ratio"] == {"plain_ray": 0.25, "hf_ray": 0.25, "hf_optuna": 0.25}
     assert row["best_peer_dev"] in ("plain_ray", "hf_ray", "hf_optuna")
     assert row["same_rows"] and row["same_space"]
+    table = markdown_table(runs).splitlines()
+    assert len(table) == 2 + 4 and table[2].startswith("| `project` | 0 | 0 min 10 s |  |")
+    assert all("| 0 min 40 s | 0.25 |" in line for line in table[3:])
 
 
 def test_the_methods_saw_the_same_rows_and_the_same_space(peer_runs, tiny_data_dir,
