@@ -40,6 +40,7 @@ class TrialAdamW:
                              "exp_avg_sq": torch.zeros_like(
                                  p, memory_format=torch.contiguous_format)}
                       for name, p in params.items()}
+        self._views: dict[str, tuple] = {}  # name -> (its gradient, per-trial views)
 
     @torch.no_grad()
     def step(self, lrs: list[list[float]], weight_decays: list[list[float]],
@@ -52,16 +53,26 @@ class TrialAdamW:
             mask = masks.get(name)
             if p.grad is None or mask is None:
                 continue
-            state = self.state[name]
+            slices = self._slices(name, p)
             for n, on in enumerate(mask):
                 if on:
                     lists = calls.setdefault((self.group_of[name], n), [[], [], [], [], []])
-                    for out, tensor in zip(lists, (p, p.grad, state["exp_avg"],
-                                                   state["exp_avg_sq"], state["step"])):
-                        out.append(tensor[n])
+                    for out, tensor in zip(lists, slices[n]):
+                        out.append(tensor)
         for (g, n), (params, grads, exp_avgs, exp_avg_sqs, steps) in calls.items():
             torch._foreach_add_(steps, 1)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps,
                                 lr=lrs[g][n], beta1=self.beta1, beta2=self.beta2,
                                 weight_decay=weight_decays[g][n], eps=self.eps,
                                 amsgrad=False, maximize=False)
+
+    def _slices(self, name: str, p: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per trial: its (weights, gradient, moments, step) views of ``name``, made again
+        only when the gradient tensor is a new one (the fused step zeroes it in place)."""
+        held = self._views.get(name)
+        if held is None or held[0] is not p.grad:
+            state = self.state[name]
+            held = (p.grad, [(p[n], p.grad[n], state["exp_avg"][n], state["exp_avg_sq"][n],
+                              state["step"][n]) for n in range(p.shape[0])])
+            self._views[name] = held
+        return held[1]

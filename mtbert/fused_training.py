@@ -125,6 +125,7 @@ class FusedGroup:
         self.fused.bind(models)
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
+        self._mask_cache: dict[tuple, dict[str, list[bool]]] = {}
         self.timings = {"steps": 0, "step_s": 0.0}
 
     def _build_optimizer(self) -> None:
@@ -245,8 +246,9 @@ class FusedGroup:
         self._clip()
         lrs = self._per_group("lr")
         self.optimizer.step(lrs, self.weight_decays, masks)
-        for p in self.fused.params.values():
-            p.grad = None
+        # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
+        # views of them too); which slices step is the masks' business
+        torch._foreach_zero_([p.grad for p in self.fused.params.values() if p.grad is not None])
         for n, trial_batches in batches.items():
             trainer = self.trainers[n]
             trainer._note_losses({t: losses[t][n] for t in trial_batches})
@@ -258,10 +260,15 @@ class FusedGroup:
     def _masks(self, batches: dict[int, dict], penalty: bool) -> dict[str, list[bool]]:
         """name -> N booleans: the trials whose step reached the parameter (their own
         tasks' losses, and the L1/L2 penalty's parameters in every stepping trial)."""
-        penalised = set(self.fused.penalised) if penalty else set()
-        reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
-                   if n in batches else set() for n in range(self.n)]
-        return {name: [name in reached[n] for n in range(self.n)] for name in self.fused.params}
+        key = (penalty, tuple(frozenset(batches[n]) if n in batches else None
+                              for n in range(self.n)))
+        if key not in self._mask_cache:
+            penalised = set(self.fused.penalised) if penalty else set()
+            reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
+                       if n in batches else set() for n in range(self.n)]
+            self._mask_cache[key] = {name: [name in reached[n] for n in range(self.n)]
+                                     for name in self.fused.params}
+        return self._mask_cache[key]
 
     def _clip(self) -> None:
         """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped), the norm

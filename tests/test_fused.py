@@ -242,3 +242,16 @@ def test_cli_fuse_seeds_writes_one_folder_per_seed(quiet_model_dir, tiny_data_di
         assert "val/overall" in json.loads((folder / "metrics.json").read_text())
     assert (json.loads((out / "seed-0" / "metrics.json").read_text())["val/overall"]
             != json.loads((out / "seed-1" / "metrics.json").read_text())["val/overall"])
+
+
+@pytest.mark.cuda
+def test_fused_trials_on_cuda_follow_their_solo_runs(quiet_config, tmp_path):
+    """On a GPU (bf16 autocast, fixed batch shapes, the fused step eager): two fused
+    trials stay within bf16 rounding of their eager solo runs over 36 steps."""
+    common = dict(device="cuda", step_mode="eager", schedule="round_robin", max_examples=288,
+                  eval_every=10**6, eval_at_start=False)
+    cfgs = [quiet_config(seed=0, lr=1e-3, **common),
+            quiet_config(seed=1, lr=2e-3, weight_decay=0.01, **common)]
+    solo, fused = _solo_and_fused(cfgs, tmp_path, torch.float32)
+    losses, metrics = _largest_differences(solo, fused)
+    assert losses <= 5e-2 and metrics <= 5e-2
