@@ -52,11 +52,9 @@ def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
                    ("ckpt_b", {OBJECTIVE: 0.47, "examples_seen": 96}),
                    ("ckpt_c", {OBJECTIVE: float("nan"), "examples_seen": 144})]
     r = trial_record("t1", "trial_t1", {"lr": 1e-4}, history, checkpoints, 120, None, MAX, RUNGS)
-    # the evaluation at the start, missing from Ray's rows, is taken from its checkpoint
-    assert [h["examples_seen"] for h in r.history] == [0, 48, 96, 144]
-    assert r.history[0][OBJECTIVE] == 0.60
-    assert r.history[2][OBJECTIVE] == 0.47 and "note" not in r.history[1]
-    assert OBJECTIVE not in r.history[3]                 # NaN is not a score
+    assert [h["examples_seen"] for h in r.history] == [48, 96, 144]
+    assert r.history[1][OBJECTIVE] == 0.47 and "note" not in r.history[0]
+    assert OBJECTIVE not in r.history[2]                 # NaN is not a score
     assert r.best_checkpoint == "ckpt_b" and r.best_score == 0.47
     assert r.examples_seen == 144                        # the log is ahead of Ray's last result
     assert r.status == TrialStatus.STOPPED_EARLY and r.rung_reached == 2

@@ -94,11 +94,12 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
                                                   sort_keys=False), encoding="utf-8")
             tracker.log_artifact(r.mlflow_run_id, config_file)
             tracker.set_tags(r.mlflow_run_id, {"best_val_overall": f"{r.best_score:.6f}",
-                                               "status": r.status,
-                                               "examples_seen": r.examples_seen,
-                                               "rung_reached": r.rung_reached,
-                                               "examples_trained": r.examples_trained})
-            for h in r.history:  # (a step logged before is not logged again)
+                                               "status": r.status})
+            if not tracker.frozen(r.trial_id):  # (ended before a --resume: kept as it was)
+                tracker.set_tags(r.mlflow_run_id, {"examples_seen": r.examples_seen,
+                                                   "rung_reached": r.rung_reached,
+                                                   "examples_trained": r.examples_trained})
+            for h in r.history:  # (a step logged before, or of a frozen run, is not logged)
                 if "examples_seen" in h:
                     tracker.log_trial_result(r.trial_id, {
                         k: v for k, v in h.items()

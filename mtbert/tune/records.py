@@ -167,19 +167,16 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
 
     Ray drops a result still in flight when it stops a trial (the promoting scheduler
     stops the trials running to a rung on another trial's result): the checkpoint of that
-    evaluation is in the trial folder, its row is not in Ray's log.  Its evaluation is
-    taken from the checkpoint, so ``examples_seen`` -- how far the trial got, to its last
+    evaluation is in the trial folder, its row is not in Ray's log.  Its evaluation (a
+    checkpoint past Ray's last row) is taken from the checkpoint, so ``examples_seen`` -- how far the trial got, to its last
     evaluation -- counts it; ``examples_trained`` adds what its runs trained past their
     last evaluation and again from an earlier checkpoint."""
     checkpoints = list(checkpoints)
     rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
-    known = {h["examples_seen"] for h in rows if "examples_seen" in h}
-    recovered = [_history_row(m) for _, m in checkpoints
-                 if isinstance(m.get("examples_seen"), (int, float))
-                 and m["examples_seen"] not in known]
-    if recovered:  # (Ray's rows come in the order they trained; these go in their place)
-        rows = sorted(rows + _one_row_per_point(recovered),
-                      key=lambda h: h.get("examples_seen", 0.0))
+    last = max((h["examples_seen"] for h in rows if "examples_seen" in h), default=-1)
+    rows += sorted((_history_row(m) for _, m in checkpoints  # (the dropped result: the last)
+                    if isinstance(m.get("examples_seen"), (int, float))
+                    and m["examples_seen"] > last), key=lambda h: h["examples_seen"])
     best, best_path = {}, None
     for path, metrics in checkpoints:
         score = metrics.get(OBJECTIVE)
