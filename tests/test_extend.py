@@ -408,7 +408,8 @@ def test_a_resumed_extension_keeps_its_own_settings(searches, tmp_path):
     """``--resume`` of a search started with ``--extend``: its saved settings (here another
     budget than the search it extends) stand, and the earlier trials are read again."""
     from mtbert.tune.cli import build_parser
-    from mtbert.tune.settings import SETTINGS_FILE, resolve_settings
+    from mtbert.tune.saved_settings import SETTINGS_FILE
+    from mtbert.tune.settings import resolve_settings
     storage = tmp_path / "rr"
     shutil.copytree(searches["first"]["dir"], storage / "first")
     shutil.copytree(searches["first"]["dir"], storage / "grown",

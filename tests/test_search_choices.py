@@ -297,7 +297,8 @@ def test_rung_metric_default_and_resume_of_a_search_saved_before_it(tmp_path, ti
     settings predate --rung-metric decides (and says it decides) on the objective, as it
     did; a saved rung metric is kept."""
     from mtbert.tune.cli import build_parser
-    from mtbert.tune.settings import SETTINGS_FILE, resolve_settings
+    from mtbert.tune.saved_settings import SETTINGS_FILE
+    from mtbert.tune.settings import resolve_settings
     argv = ["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir, "--data-dir",
             tiny_data_dir, "--storage-path", str(tmp_path / "out"), "--experiment", "old"]
     settings = resolve_settings(build_parser().parse_args(argv))

@@ -32,7 +32,8 @@ from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_l
 from mtbert.tune.report import write_report
 from mtbert.tune.retention import keep_what_was_asked
 from mtbert.tune.tuner import InterruptWatch, build_tuner, told_points, told_summary
-from mtbert.tune.settings import SETTINGS_FILE, SearchSettings, resume_command
+from mtbert.tune.saved_settings import SETTINGS_FILE
+from mtbert.tune.settings import SearchSettings, resume_command
 from mtbert.tune.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary,
                                  first_ready_s, phases_line)
 from mtbert.tune.tracking import SearchTracker

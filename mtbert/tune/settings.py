@@ -3,9 +3,8 @@
 :func:`resolve_settings` turns the parsed arguments into one :class:`SearchSettings`
 (the space file loaded and validated, the budget, the experiment's location, the MLflow
 store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
-the flag; it writes nothing.  On ``--resume`` the search's saved settings
-(``mtbert_search.json`` in the experiment) win over the command line, so the data, space
-and budget cannot drift.  (The merge of the base config and a trial's sampled values is
+the flag; it writes nothing.  What ``--resume`` and ``--extend`` take from an earlier run
+of the driver is read by :mod:`mtbert.tune.saved_settings`.  (The merge of the base config and a trial's sampled values is
 :func:`mtbert.tune.trial_config.trial_config`.)
 """
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -31,24 +29,16 @@ from mtbert.tune import location as loc
 from mtbert.tune import mps
 from mtbert.tune.budgets import Budget, get_budget
 from mtbert.tune.cluster import ResourcePlan, check_ray_address
-from mtbert.tune.extension import (TRIALS_FILE, EarlierSearch, check_known_trials,
-                                   earlier_search, measured_on, parse_trials)
+from mtbert.tune.extension import EarlierSearch, check_known_trials, earlier_search, measured_on
 from mtbert.tune.choices import (check_optional_packages, check_per_rung, default_rung_metric,
                                  resolve_scheduler, resolve_search_alg, scheduler_choice,
                                  searcher_choice)
 from mtbert.tune.records import rung_metric_keys
+from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
 from mtbert.tune.spaces import SearchSpace, load_space, parse_space
 from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
-SETTINGS_FILE = "mtbert_search.json"
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
-#: CLI values a resumed search takes from the new command line, not from its saved settings
-_RESUME_OWN = ("resume", "address", "mlflow_fallback_local", "mps")
-#: CLI values a search started with ``--extend`` takes from the earlier search unless given
-#: (the space is checked equal when given; another budget, model or data makes the earlier
-#: trials prior information only: extension.py)
-EXTEND_INHERITS = ("space", "budget", "data_dir", "model", "search_alg", "scheduler",
-                   "rung_metric", "seed", "ensemble", "keep_checkpoints", "mlflow_uri")
 
 
 @dataclass(frozen=True)
@@ -153,9 +143,9 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
                           "one of them (a search started with --extend resumes with "
                           "--resume --experiment NAME)")
     storage, storage_uri = _storage(args.storage_path)
-    saved = _merge_saved_settings(args, storage, storage_uri) if args.resume else None
-    extended = _earlier_settings(args, storage, storage_uri) if getattr(args, "extend", None) \
-        else None
+    saved = merge_saved_settings(args, storage, storage_uri) if args.resume else None
+    extended = (earlier_settings(args, storage, storage_uri) if getattr(args, "extend", None)
+                else None)
     if storage_uri and not args.mlflow_uri:
         raise ConfigError(f"--storage-path {args.storage_path}: a URI storage needs "
                           "--mlflow-uri (an MLflow server http://HOST:5000, or "
@@ -164,7 +154,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     if args.space is None:
         raise ConfigError("--space is required (see --list-spaces)")
     space = (parse_space(saved["space"], saved["space_path"]) if saved
-             else extended[2] if extended else load_space(args.space))
+             else extended.space if extended else load_space(args.space))
     budget = get_budget(args.budget)
     args.scheduler = resolve_scheduler(args.scheduler, args.search_alg)
     search_alg = resolve_search_alg(args.scheduler, args.search_alg)
@@ -178,7 +168,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
     if top_k < 1:
         raise ConfigError(f"--ensemble-top-k {top_k}: must be >= 1")
     # an extension's candidates are the earlier trials too
-    pool = num_samples + (len(extended[1]["trials"]) if extended else 0)
+    pool = num_samples + (len(extended.trials["trials"]) if extended else 0)
     if args.ensemble_top_k is not None and top_k > pool:
         raise ConfigError(f"--ensemble-top-k {top_k}: more than --num-samples {num_samples}"
                           + (" and the earlier search's trials" if extended else ""))
@@ -200,7 +190,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         check_ray_address(args.address)
     base = _base_config(args, budget, space, data_dir, model)
     if extended:  # what the searcher is told must be points of the space (Optuna's add_trial)
-        check_known_trials(extended[1], space, base, extended[3],
+        check_known_trials(extended.trials, space, base, extended.trials_name,
                            searcher_choice(search_alg).learns_from_earlier)
     if not args.address:
         _check_compile_modes(space, args.gpus_per_trial)
@@ -215,7 +205,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
         mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
-        extend=getattr(args, "extend", None), extend_trials=extended[1] if extended else None)
+        extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None)
 
 
 def _storage(storage_path: str) -> tuple[Path, str | None]:
@@ -234,99 +224,6 @@ def _storage(storage_path: str) -> tuple[Path, str | None]:
         raise ConfigError(f"{what}: exists and is not a folder")
     check_creatable(storage, what)
     return storage, None
-
-
-def _merge_saved_settings(args: argparse.Namespace, storage: Path,
-                          storage_uri: str | None) -> dict[str, Any]:
-    """``--resume``: the saved settings of the search (they replace the CLI values)."""
-    if not args.experiment:
-        raise ConfigError("--resume needs --experiment NAME (the search to continue)")
-    where = loc.ExperimentLocation(storage, args.experiment, storage_uri)
-    text = where.read(SETTINGS_FILE)
-    if text is None:
-        raise ConfigError(f"--resume: no search to resume in {where.ray_experiment} "
-                          f"(no {SETTINGS_FILE})")
-    saved = _parse_saved_settings(text, f"{where.ray_experiment}/{SETTINGS_FILE}", "--resume")
-    if where.read(loc.PRUNED_FILE) is not None:
-        raise ConfigError(f"--resume: {where.ray_experiment} finished and its training states "
-                          f"were removed (--keep-checkpoints {saved['args'].get('keep_checkpoints')}"
-                          "): nothing to resume; start a new search with another --experiment")
-    # a search saved before --rung-metric existed decided on the objective (Tuner.restore
-    # brings back that scheduler; the summary must name what it decides on)
-    saved["args"].setdefault("rung_metric", "overall")
-    # the original settings win: the data, space and budget must not drift
-    for key, value in saved["args"].items():
-        if key not in _RESUME_OWN:
-            setattr(args, key, value)
-    return saved
-
-
-def _parse_saved_settings(text: str, name: str, flag: str) -> dict[str, Any]:
-    """A search's saved settings, checked: what ``--resume`` / ``--extend`` (``flag``)
-    need of them is there."""
-    try:
-        saved = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"{flag}: {name} is not valid JSON ({exc}); it is written when "
-                          "a search starts: restore it, or start a new search") from None
-    needed = {"args": dict, "space": dict, "space_path": str}
-    for key, kind in needed.items():
-        if not isinstance(saved, dict) or not isinstance(saved.get(key), kind):
-            raise ConfigError(f"{flag}: {name} has no {key!r} ({kind.__name__}); it is "
-                              "written when a search starts: restore it, or start a new "
-                              "search")
-    return saved
-
-
-def _earlier_settings(args: argparse.Namespace, storage: Path, storage_uri: str | None,
-                      ) -> tuple[dict[str, Any], dict[str, Any], SearchSpace, str]:
-    """``--extend NAME``: (its saved settings, its parsed trials.json -- each trial's
-    weights resolved against the folder read: ``ExperimentLocation.resolved`` --, its
-    space, the trials file as errors name it), the values of :data:`EXTEND_INHERITS` not
-    given on the command line (``args.given``, set by the CLI) taken from it.
-    ConfigError for a search that is not there, not finished, damaged, or of another
-    space."""
-    name = args.extend
-    where = loc.ExperimentLocation(storage, name, storage_uri)
-    folder = where.ray_experiment  # the URI copy where there is one
-    text = where.read(SETTINGS_FILE)
-    if text is None:
-        raise ConfigError(f"--extend {name}: no search in {folder} (no {SETTINGS_FILE}); "
-                          f"give the --experiment name of a finished search in --storage-path "
-                          f"{args.storage_path}")
-    saved = _parse_saved_settings(text, f"{folder}/{SETTINGS_FILE}", f"--extend {name}")
-    trials_text = where.read(TRIALS_FILE)
-    if trials_text is None:
-        raise ConfigError(f"--extend {name}: {folder} has no {TRIALS_FILE}, written when "
-                          "a search finishes: finish it first (--resume --experiment "
-                          f"{name}), then extend it")
-    trials_name = f"--extend {name}: {folder}/{TRIALS_FILE}"
-    trials = parse_trials(trials_text, f"{folder}/{TRIALS_FILE}")
-    if not trials.get("complete", False):
-        raise ConfigError(f"--extend {name}: the search did not finish (interrupted, or trials "
-                          f"never started): finish it with --resume --experiment {name}, "
-                          "then extend it")
-    for row in trials["trials"]:  # relative to the folder read (absolute: before they were)
-        row["weights"] = where.resolved(row.get("weights"),
-                                        (str(trials.get("experiment") or name),
-                                         str(row.get("origin") or "")))
-    space = parse_space(saved["space"], saved["space_path"])
-    if args.resume:  # the extension's own saved settings were merged: they stand
-        return saved, trials, space, trials_name
-    given = getattr(args, "given", frozenset())
-    if "space" in given and args.space is not None:
-        asked = load_space(args.space)
-        if asked.to_dict() != space.to_dict():
-            keys = sorted(set(asked.params) ^ set(space.params)
-                          | {k for k in set(asked.params) & set(space.params)
-                             if asked.to_dict()["params"][k] != space.to_dict()["params"][k]})
-            raise ConfigError(f"--extend {name}: it searched space {space.name!r}, not "
-                              f"--space {args.space} ({asked.name!r}); they differ in "
-                              f"{', '.join(keys) or 'their description'}")
-    for key in EXTEND_INHERITS:
-        if key not in given and key in saved["args"]:
-            setattr(args, key, saved["args"][key])
-    return saved, trials, space, trials_name
 
 
 def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
