@@ -207,7 +207,7 @@ def _selected_model(problem, selected: dict):
 # ---------------------------------------------------------------------- the bench
 def _one(args) -> int:
     """``--one METHOD``: one run, its record written to ``--result``."""
-    from mtbert.tune import cluster
+    from mtbert.tune.infra import cluster
 
     cluster.quiet_environment()
     seed = args.seed_list[0]
@@ -370,6 +370,13 @@ def markdown_table(runs: dict[str, dict[int, dict]]) -> str:
     return "\n".join(lines)
 
 
+def portable(text: str, args) -> str:
+    """``text`` with this machine's folders as ``<out>``, ``<data>`` and ``<repo>``."""
+    for folder, name in ((args.out, "<out>"), (args.data_dir, "<data>"), (REPO, "<repo>")):
+        text = text.replace(str(Path(folder).resolve()), name)
+    return text
+
+
 def _write(runs_file: Path, args, settings: dict, runs: dict) -> None:
     doc = {"settings": settings, "objective": OBJECTIVE, "methods": METHODS,
            "runs": {m: {str(s): r for s, r in sorted(by.items())} for m, by in runs.items()},
@@ -377,7 +384,8 @@ def _write(runs_file: Path, args, settings: dict, runs: dict) -> None:
     runs_file.write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
     target = Path(args.json)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    target.write_text(portable(json.dumps(doc, indent=1, default=str), args) + "\n",
+                      encoding="utf-8")
 
 
 if __name__ == "__main__":
