@@ -5,7 +5,7 @@ In the full search on one H200 (docs/bench/step_graphs.md, 2026-11-27) the trial
 training died together 0.17 s after another trial's worker process exited cleanly: the
 MPS server's log says one of them "encountered a fatal GPU error" and it tore down every
 client on the GPU.  This separates the exit from the rest of a search (Ray, the trainer,
-reused workers): under an MPS daemon of its own (``mtbert.tune.mps``, its logs kept),
+reused workers): under an MPS daemon of its own (``mtbert.tune.infra.mps``, its logs kept),
 ``--survivors`` processes each replay one captured training step (a transformer layer's
 forward, backward and a capturable AdamW step under bf16 autocast) for as long as the run
 lasts, while ``--leavers`` processes, one after another, capture the same step, replay it
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.stand_in and (args.device != "cuda" or not torch.cuda.is_available()):
         print("error: bench/mps_exit.py needs a CUDA GPU (--device cuda)", file=sys.stderr)
         return 2
-    from mtbert.tune.mps import cuda_mps
+    from mtbert.tune.infra.mps import cuda_mps
     mps_choice = "off" if args.no_mps or args.stand_in else "on"
     with tempfile.TemporaryDirectory(prefix="mtbert-mps-exit-") as folder:
         logs = Path(folder) / "mps_log"

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from mtbert.tune import cli, cluster
+    from mtbert.tune import cli
+    from mtbert.tune.infra import cluster
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

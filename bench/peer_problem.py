@@ -78,7 +78,7 @@ class Problem:
 
     def config(self, sampled: dict[str, Any]):
         """A trial's TrainConfig, as the project's trainable builds it."""
-        from mtbert.tune.trial_config import trial_config
+        from mtbert.tune.trial.trial_config import trial_config
         return trial_config(self.base, sampled)
 
     def eval_points(self) -> list[int]:
@@ -137,7 +137,7 @@ def canonical_space(params: dict[str, Any]) -> dict[str, Any]:
 
 def _canonical(spec: Any) -> dict[str, list] | None:
     kind = type(spec).__name__
-    if kind == "Param":  # mtbert.tune.spaces.Param
+    if kind == "Param":  # mtbert.tune.search.spaces.Param
         if not spec.searched:
             return None
         if spec.dist == "choice":

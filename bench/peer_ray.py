@@ -30,7 +30,7 @@ def train_fn(config: dict[str, Any], data=None, base: dict[str, Any] | None = No
 
     from mtbert.metrics import scalar_metrics
     from mtbert.trainer import Trainer
-    from mtbert.tune.trial_config import trial_config
+    from mtbert.tune.trial.trial_config import trial_config
 
     trial_dir = Path(tune.get_context().get_trial_dir())
     trial_dir.mkdir(parents=True, exist_ok=True)

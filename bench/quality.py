@@ -113,7 +113,7 @@ def rescore_search(exp_dir: Path, data) -> dict:
     """Best trial and ensemble of the search in ``exp_dir`` on every val/dev row."""
     from mtbert.metrics import scalar_metrics
     from mtbert.model_files import HEADS_FILE
-    from mtbert.tune import finalists
+    from mtbert.tune.results import finalists
     summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
     # a finished search keeps (--keep-checkpoints best, the default) only the exported
     # weights of its best trial and ensemble members in models/ID: a checkpoint's weight

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from bench.search_efficiency import build_parser, parse_args
-from bench.search_methods import DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base, bench_budget
+from bench.search_methods import (DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base,
+                                  bench_budget)
 
 #: the scores compared: the objective, its soft stand-in and their parts
 SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",
@@ -34,10 +35,11 @@ def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
 
     from mtbert.config import TrainConfig
     from mtbert.data import load_data
-    from mtbert.tune import cluster, work_folders
+    from mtbert.tune.infra import cluster
+    from mtbert.tune.trial import work_folders
     from mtbert.tune.settings import run_fields
-    from mtbert.tune.trainable import train_trial
-    from mtbert.tune.tuner import make_tuner
+    from mtbert.tune.trial.trainable import train_trial
+    from mtbert.tune.search.tuner import make_tuner
     base = bench_base(args)
     data = load_data(TrainConfig.from_dict(base, source="bench"))
     budget = bench_budget(args, METHODS[DEFAULT_METHOD])
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         p.error(f"{runs_file}: no grid run for seeds {missing} (run bench/search_efficiency.py "
                 "--methods grid first)")
-    from mtbert.tune import cluster
+    from mtbert.tune.infra import cluster
     cluster.quiet_environment()
     rows = train_to_the_second_rung(args, args.seed_list)
     table = correlations(rows, grid_runs)

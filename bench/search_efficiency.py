@@ -14,7 +14,7 @@ over report 004's two knobs -- hidden dropout and the SMART weight lambda_s on S
 * ``grid``   -- report 004's way: dropout 0.1 ... 0.5 x lambda_s 1, 5 = 10 configurations,
   each trained to the full budget and scored once at the end;
 * ``random`` -- 10 random configurations in the same ranges, no early stopping;
-* the searcher/scheduler pairs of ``mtbert.tune.choices`` (``METHODS`` below): ASHA with
+* the searcher/scheduler pairs of ``mtbert.tune.search.choices`` (``METHODS`` below): ASHA with
   Optuna TPE (independent or multivariate), BOHB, PBT, PB2 -- ``--trials`` configurations,
   ASHA/BOHB rungs at full/9, full/3 and full (``asha_tpe_late``: full/3 and full);
   ``asha_tpe_indep_steps`` samples the same ranges in steps (``SPACES``);
@@ -138,7 +138,7 @@ def load_runs(path: Path, args, p) -> dict[str, dict[int, dict]]:
 def open_runs(args, p) -> tuple[Path, Path, Path, dict[str, dict[int, dict]]]:
     """A bench's output folders and the runs kept so far: (OUT, DOCS, OUT/runs.json, runs)
     (the quiet environment of the driver set first)."""
-    from mtbert.tune import cluster
+    from mtbert.tune.infra import cluster
 
     cluster.quiet_environment()
     out, docs = Path(args.out).resolve(), Path(args.docs).resolve()

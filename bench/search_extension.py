@@ -10,7 +10,7 @@ the driver's default pair (``search_methods.DEFAULT_METHOD``), per seed s:
 
 * **A** -- a search of N = ``--trials`` trials, seed s;
 * **B** -- its extension: a search of N more trials whose searcher (seed s) is first told
-  A's trials as the driver's ``--extend`` tells it (mtbert.tune.extension:
+  A's trials as the driver's ``--extend`` tells it (mtbert.tune.results.extension:
   ``earlier_from_records`` + ``searcher_points``, the objective A's own searcher saw);
 * **C** -- one search of 2N trials from scratch, seed s.
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv):
-    from mtbert.tune.choices import SCHEDULERS, searcher_choice
+    from mtbert.tune.search.choices import SCHEDULERS, searcher_choice
     p, args = efficiency_args(argv, build_parser())
     if len(args.method_list) != 1:
         p.error(f"--methods {args.methods}: one method")
@@ -88,13 +88,13 @@ def parse_args(argv):
 
 
 # ---------------------------------------------------------------------- the runs
-def told_points(records: list, args, name: str) -> list:
+def points_for_searcher(records: list, args, name: str) -> list:
     """What the extension's searcher is told of the first search's trials: as the driver
-    tells it (mtbert.tune.tuner.told_points)."""
-    from mtbert.tune.choices import SCHEDULERS
-    from mtbert.tune.extension import earlier_from_records, searcher_points
-    from mtbert.tune.records import rung_metric_keys
-    from mtbert.tune.spaces import parse_space
+    tells it (mtbert.tune.results.extension.points_for_searcher)."""
+    from mtbert.tune.search.choices import SCHEDULERS
+    from mtbert.tune.results.extension import earlier_from_records, searcher_points
+    from mtbert.tune.trial.objective import rung_metric_keys
+    from mtbert.tune.search.spaces import parse_space
     method = METHODS[name]
     searched = list(parse_space(SPACES[method.space], "bench/search_extension.py").searched)
     earlier = earlier_from_records(f"{name}-first", records, searched)
@@ -127,7 +127,7 @@ def run_seed(seed: int, args, sitting, keep) -> dict:
                          earlier=points if role == "extension" else (),
                          experiment=experiment, records=role == "first")
         if role == "first":
-            points = told_points(run.pop("records"), args, name)
+            points = points_for_searcher(run.pop("records"), args, name)
             run["told"] = [asdict(p) for p in points]
         settle_run(run, args, storage, experiment, f"seed {seed} {role}")
         done[role] = keep(role, run)

@@ -1,6 +1,6 @@
 """The methods bench/search_efficiency.py compares, and what every run of it shares.
 
-``METHODS``: each a searcher / scheduler pair of the driver (mtbert/tune/choices.py) or a
+``METHODS``: each a searcher / scheduler pair of the driver (mtbert/tune/search/choices.py) or a
 baseline (report 004's hand grid, random search at the full budget), with its rungs,
 space and rung metric; ``SPACES``: the two spaces the automatic searches sample;
 :func:`bench_budget` and :func:`bench_base`: the driver's Budget and the TrainConfig
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtbert.tune.budgets import Budget
-from mtbert.tune.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS,
-                                 default_rung_metric)
-from mtbert.tune.records import RUNG_METRICS
+from mtbert.tune.search.budgets import Budget
+from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, SCHEDULERS,
+                                        default_rung_metric)
+from mtbert.tune.trial.objective import RUNG_METRICS
 
 SOFT = RUNG_METRICS["overall_soft"]
 
@@ -32,12 +32,12 @@ class Method:
     searcher: str    # a --search-alg of the driver (grid: Ray's grid search)
     first_rung: int = 9  # ASHA / BOHB: the first rung at full / this (rungs x3 from there)
     space: str = "ranges"  # a key of SPACES: what the automatic searches sample
-    rung_metric: str = "overall"  # a --rung-metric of the driver (records.rung_metric_keys)
+    rung_metric: str = "overall"  # a --rung-metric of the driver (objective.rung_metric_keys)
     # measured with driver code that has changed since (named here): its runs are kept as
     # measured, but neither ranked nor the default -- a re-run would measure today's code
     superseded: str = ""
     # asha-promote: its last promotion resumes with every worker's CPU, as the driver's
-    # does on one machine (mtbert.tune.tuner.build_tuner)
+    # does on one machine (mtbert.tune.search.tuner.build_tuner)
     last_leg: bool = False
     trials: int = 0  # configurations it samples (0: --trials)
 

@@ -1,5 +1,5 @@
 """One (method, seed) run of bench/search_efficiency.py on Ray, from the driver's own
-builders (``mtbert.tune.tuner``: searcher, scheduler, actor reuse; the driver's trainable),
+builders (``mtbert.tune.search.tuner``: searcher, scheduler, actor reuse; the driver's trainable),
 and every run asked for, each kept in ``OUT/runs.json`` as it finishes.  A run's searcher
 can be told an earlier search's trials first (``earlier``, as ``--extend`` tells the
 driver's: bench/search_extension.py).
@@ -15,10 +15,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from mtbert.tune.choices import SCHEDULERS
-from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
+from mtbert.tune.search.choices import SCHEDULERS
+from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_keys
 from bench.search_methods import (DROPOUTS, LAMBDAS, METHODS, SAME, SOFT, SPACES, bench_base,
-                            bench_budget)
+                                  bench_budget)
 
 
 def search_setup(name: str, args, seed: int, earlier=()):
@@ -26,8 +26,8 @@ def search_setup(name: str, args, seed: int, earlier=()):
     ``earlier``: extension.EarlierPoint its searcher is told first (``--extend``)."""
     from ray import tune
 
-    from mtbert.tune.spaces import parse_space
-    from mtbert.tune.tuner import build_scheduler, build_searcher
+    from mtbert.tune.search.spaces import parse_space
+    from mtbert.tune.search.tuner import build_scheduler, build_searcher
     method = METHODS[name]
     budget = bench_budget(args, method)
     space = parse_space(SPACES[method.space], "bench/search_efficiency.py")
@@ -62,11 +62,11 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path, earl
     before its folders are removed), for a later search to be told."""
     from ray import tune
 
-    from mtbert.tune import work_folders
-    from mtbert.tune.records import collect_trials
+    from mtbert.tune.trial import work_folders
+    from mtbert.tune.results.records import collect_trials
     from mtbert.tune.settings import run_fields
-    from mtbert.tune.trainable import train_trial
-    from mtbert.tune.tuner import make_tuner, reuses_actors
+    from mtbert.tune.trial.trainable import train_trial
+    from mtbert.tune.search.tuner import make_tuner, reuses_actors
     space, tune_kwargs, budget = search_setup(name, args, seed, earlier)
     trial_base = {**base, **run_fields(budget, METHODS[name].scheduler), "seed": seed,
                   "eval_at_start": False}
@@ -118,7 +118,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path, earl
 def dev_score(checkpoint_dir: str, data, device: str = "cpu") -> dict:
     """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
     from mtbert.inference import as_label
-    from mtbert.tune.finalists import predict_member, score_split
+    from mtbert.tune.results.finalists import predict_member, score_split
     preds = predict_member(checkpoint_dir, data, device, splits=("dev",))["dev"]
     m = score_split(data, "dev", {t: as_label(t, p) for t, p in preds.items()})
     return {"dev": m["dev/overall"], "dev_se": m["dev/overall_se"]}
@@ -133,7 +133,7 @@ def bench_ray(args, out: Path):
 
     from mtbert.config import TrainConfig
     from mtbert.data import load_data
-    from mtbert.tune import cluster
+    from mtbert.tune.infra import cluster
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"
     machine = this_machine(bool(args.gpus_per_trial))  # kept with each run: --report-only
     base = bench_base(args)

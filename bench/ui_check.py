@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mtbert.tune.mlflow_results import LOCAL_UI, ui_links
+from mtbert.tune.results.mlflow_results import LOCAL_UI, ui_links
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ order, timing each stage:
 * ``python``  -- the interpreter up (process spawned -> the script's first line);
 * ``ray``     -- ``import ray`` (a Ray worker's own start-up);
 * ``tune``    -- Ray Tune's function trainable (the actor's class);
-* ``trainable`` -- ``mtbert.tune.trainable`` (unpickling the trial function);
+* ``trainable`` -- ``mtbert.tune.trial.trainable`` (unpickling the trial function);
 * ``data``    -- ``mtbert.data`` (unpickling the object store's data: torch);
 * ``trainer`` -- ``mtbert.trainer`` and ``transformers.modeling_utils`` (the model class);
 * ``device``  -- ``--device cuda``: the CUDA context (a first tensor on the GPU);
@@ -47,7 +47,7 @@ def stage(name, started):
     marks[name] = time.time() - started
 t = time.time(); import ray; stage("ray", t)
 t = time.time(); import ray.tune.trainable.function_trainable; stage("tune", t)
-t = time.time(); import mtbert.tune.trainable; stage("trainable", t)
+t = time.time(); import mtbert.tune.trial.trainable; stage("trainable", t)
 t = time.time(); import mtbert.data; stage("data", t)
 t = time.time(); import mtbert.trainer, transformers.modeling_utils; stage("trainer", t)
 import torch

@@ -20,7 +20,7 @@ def _slow_step_trial(config: dict) -> None:
 
     from ray import tune
 
-    from mtbert.tune.trainable import wait_for_the_step_on_reuse
+    from mtbert.tune.trial.trainable import wait_for_the_step_on_reuse
     wait_for_the_step_on_reuse()  # what train_trial does first
     stopped = []
 

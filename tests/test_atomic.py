@@ -39,7 +39,7 @@ def test_a_uri_write_that_fails_keeps_the_old_file_whole(tmp_path):
     a write that fails leaves the previous file as it was and no temporary beside it; a
     write that succeeds replaces it (the driver-killed resume read an empty state file
     when the file was opened, and so emptied, before the write)."""
-    from mtbert.tune import location as loc
+    from mtbert.tune.infra import location as loc
     target = tmp_path / "state.json"
     uri = target.as_uri()
     loc.write_text(uri, '{"a": 1}')

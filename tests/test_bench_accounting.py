@@ -339,7 +339,7 @@ def test_no_dashboard_option_starts_ray_without_one(se):
     dashboard): the bench's Ray starts without one; by default it has one."""
     import ray
 
-    from mtbert.tune.cluster import dashboard_url, start_local_ray
+    from mtbert.tune.infra.cluster import dashboard_url, start_local_ray
     assert se.parse_args(["--report-only"])[1].no_dashboard is False
     _, args = se.parse_args(["--no-dashboard", "--report-only"])
     if ray.is_initialized():

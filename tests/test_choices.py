@@ -1,26 +1,32 @@
-"""The registry of choices (mtbert/tune/choices.py): the command line, the settings and
-the Tuner read it, so a new scheduler is one class in one module -- here, this test's."""
+"""The registry of choices (mtbert/tune/search/choices.py): the command line, the settings and
+the Tuner read it, so a new scheduler is one module in mtbert/tune/search/schedulers/ plus
+its registry line -- here, a module this test writes, and the import that line makes."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+import textwrap
+
 import pytest
 
-from mtbert.tune import choices
-from mtbert.tune.budgets import get_budget
-from mtbert.tune.choices import SCHEDULERS, SEARCHERS, SchedulerChoice, register
+from mtbert.tune.search import choices
+from mtbert.tune.search.budgets import get_budget
+from mtbert.tune.search.choices import SCHEDULERS, SEARCHERS
+
+#: a scheduler's whole module, as one would add it to mtbert/tune/search/schedulers/
+TOY_MODULE = textwrap.dedent('''
+    """``--scheduler toy``: a scheduler a test adds."""
+    from mtbert.tune.search.choice import register
+    from mtbert.tune.search.schedulers.base import SchedulerChoice
 
 
-class ToyMarker:
-    """What the toy scheduler builds (standing in for a Ray scheduler)."""
+    class ToyMarker:
+        """What the toy scheduler builds (standing in for a Ray scheduler)."""
 
-    def __init__(self, budget, metric: str):
-        self.budget, self.metric = budget, metric
+        def __init__(self, budget, metric: str):
+            self.budget, self.metric = budget, metric
 
-
-@pytest.fixture
-def toy():
-    """A toy scheduler registered the way choices.py registers its own; removed after."""
-    saved = dict(SCHEDULERS)
 
     @register
     class Toy(SchedulerChoice):
@@ -33,10 +39,40 @@ def toy():
 
         def build(self, budget, space, metrics, workers, num_samples, last_leg_cpus):
             return ToyMarker(budget, metrics[0])
+''')
 
-    yield Toy
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The toy scheduler's module written as a file, and the registry line run: the import
+    of that module (the package's lines import its modules the same way); removed after."""
+    saved = dict(SCHEDULERS)
+    folder = tmp_path / "added"
+    folder.mkdir()
+    (folder / "toy_scheduler.py").write_text(TOY_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module("toy_scheduler")  # the registry line
+    yield module
+    sys.modules.pop("toy_scheduler", None)
     SCHEDULERS.clear()
     SCHEDULERS.update(saved)
+
+
+def test_the_registry_lines_are_the_package_s_modules():
+    """Every module of mtbert/tune/search/schedulers/ (its base, the shared population
+    class and the Ray classes aside) registers one scheduler, and each of its registry lines
+    imports one of them."""
+    from pathlib import Path
+
+    from mtbert.tune.search import schedulers
+    folder = Path(schedulers.__file__).parent
+    modules = sorted(p.stem for p in folder.glob("*.py")
+                     if p.stem not in {"__init__", "base", "population", "ray_classes"})
+    lines = [line.split()[3] for line in (folder / "__init__.py").read_text().splitlines()
+             if line.startswith("from mtbert.tune.search.schedulers import ")]
+    assert sorted(lines) == modules
+    assert len(SCHEDULERS) == len(modules)
+    assert {type(c).__module__.rsplit(".", 1)[-1] for c in SCHEDULERS.values()} == set(modules)
 
 
 def _argv(tmp_path, model, data, *flags):
@@ -44,9 +80,9 @@ def _argv(tmp_path, model, data, *flags):
             "--storage-path", str(tmp_path / "out"), *flags]
 
 
-def test_a_toy_scheduler_is_one_class(toy, tmp_path, capsys, tiny_model_dir, tiny_data_dir):
+def test_a_toy_scheduler_is_one_module(toy, tmp_path, capsys, tiny_model_dir, tiny_data_dir):
     from mtbert.tune.cli import build_parser, main
-    from mtbert.tune.tuner import build_scheduler, reuses_actors
+    from mtbert.tune.search.tuner import build_scheduler, reuses_actors
     from mtbert.tune.settings import resolve_settings
 
     parser = build_parser()
@@ -57,7 +93,7 @@ def test_a_toy_scheduler_is_one_class(toy, tmp_path, capsys, tiny_model_dir, tin
     assert (settings.scheduler, settings.search_alg) == ("toy", "random")
     assert settings.rung_metric == "overall_soft"
     built = build_scheduler("toy", get_budget("smoke"), settings.space, "val/overall_soft")
-    assert isinstance(built, ToyMarker) and built.metric == "val/overall_soft"
+    assert isinstance(built, toy.ToyMarker) and built.metric == "val/overall_soft"
     assert not reuses_actors("toy", None)
     # a pair it does not allow: one error line, exit 2, nothing written
     rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, "--scheduler", "toy",

@@ -1,4 +1,4 @@
-"""Growing a finished search (``--extend EXPERIMENT``, mtbert/tune/extension.py).
+"""Growing a finished search (``--extend EXPERIMENT``, mtbert/tune/results/extension.py).
 
 The searcher side runs on real Ray searchers and real Optuna studies, without trials:
 an extended searcher proposes otherwise than a cold one of the same seed and does not
@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 
 from mtbert.errors import ConfigError
-from mtbert.tune.extension import (EarlierSearch, KnownTrial, differences, earlier_search,
-                                   parse_trials, searcher_points)
-from mtbert.tune.records import OBJECTIVE, TrialRecord, TrialStatus
-from mtbert.tune.spaces import parse_space
-from mtbert.tune.tuner import build_searcher
+from mtbert.tune.results.extension import (EarlierSearch, KnownTrial, differences, earlier_search,
+                                           parse_trials, searcher_points)
+from mtbert.tune.trial.objective import OBJECTIVE
+from mtbert.tune.results.records import TrialRecord, TrialStatus
+from mtbert.tune.search.spaces import parse_space
+from mtbert.tune.search.tuner import build_searcher
 
 # ---------------------------------------------------------------------- the searcher
 #: 3 dropouts x 2 batch sizes: 6 configurations, small enough for TPE to repeat itself
@@ -95,7 +96,7 @@ def test_earlier_trials_are_told_as_the_searcher_tells_its_own():
 
 
 def test_the_driver_says_what_the_searcher_was_told():
-    from mtbert.tune.extension import told_line
+    from mtbert.tune.results.extension import told_line
     earlier = _earlier(OLD + [UNSCORED])
     points = searcher_points(earlier, list(STEPPED), True, 96, "val/classes_soft")
     line = told_line(points, earlier, "optuna", True, 96, "val/classes_soft")
@@ -163,7 +164,7 @@ def test_a_key_the_space_does_not_have_is_an_error_unless_every_trial_has_it_any
     tests below): a trainer field the space neither searches nor fixes passes only where
     the base config gives every trial that very value; a searched key must have a value;
     a quniform value off its step is refused only where the searcher is told it."""
-    from mtbert.tune.extension import check_known_trials
+    from mtbert.tune.results.extension import check_known_trials
     space = parse_space({"description": "d", "params": {
         "dropout": {"uniform": [0.0, 0.3]}, "smart_lambda_sst": {"quniform": [0, 4, 1]}}},
         "s.yaml")
@@ -373,7 +374,7 @@ def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path
     import torch
 
     from mtbert.inference import load_checkpoint_model
-    from mtbert.tune.location import is_uri
+    from mtbert.tune.infra.location import is_uri
     root = tmp_path / "store"
     common = ["--storage-path", root.as_uri(), "--mlflow-uri",
               f"sqlite:///{tmp_path / 'm.db'}", "--max-concurrent", "1"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtbert.errors import ConfigError
-from mtbert.tune.cluster import (MAX_TRIALS_PER_GPU, model_parameters, pack_trials,
-                                 trials_per_gpu)
+from mtbert.tune.infra.cluster import (MAX_TRIALS_PER_GPU, model_parameters, pack_trials,
+                                       trials_per_gpu)
 from ray_cluster import LocalRayCluster
 
 REPO = Path(__file__).resolve().parents[1]

@@ -233,7 +233,7 @@ SPACES = st.one_of(
 @FAST
 @given(SPACES)
 def test_space_values_come_back_exactly_or_the_error_names_the_key(doc):
-    from mtbert.tune.spaces import parse_space
+    from mtbert.tune.search.spaces import parse_space
 
     path = WORK / "space.yaml"
     try:
@@ -269,7 +269,7 @@ def test_space_values_come_back_exactly_or_the_error_names_the_key(doc):
 ])
 def test_space_huge_numbers_are_a_named_error(doc):
     """Hypothesis' BOUNDS above stop at 10**6 so the known bug below does not mask others."""
-    from mtbert.tune.spaces import parse_space
+    from mtbert.tune.search.spaces import parse_space
 
     with pytest.raises(ConfigError, match=r"space\.yaml: (lr|seed):"):
         parse_space(doc, WORK / "space.yaml")

@@ -18,8 +18,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 
-#: bottom to top; a module may import from its own layer and the ones below
-LAYERS = [
+#: bottom to top; a module may import from its own layer and the ones below.  The trainer's
+#: layers are named here; the search's are its packages, read from the tree
+#: (:func:`tune_layers`), so that the docs' table (checked against this) follows the tree.
+TRAINER_LAYERS = [
     ("base", ["mtbert", "mtbert.errors", "mtbert.atomic", "mtbert.config", "mtbert.tasks"]),
     ("parts", ["mtbert.pretrained", "mtbert.data.files", "mtbert.data.tokens",
                "mtbert.data.splits", "mtbert.data.batching", "mtbert.data", "mtbert.model",
@@ -32,22 +34,30 @@ LAYERS = [
               "mtbert.training_state", "mtbert.checkpoint",
               "mtbert.model_files", "mtbert.inference", "mtbert.trainer",
               "mtbert.fused_training"]),
-    ("tune: objective and trial", ["mtbert.tune", "mtbert.tune.records",
-                                   "mtbert.tune.budgets", "mtbert.tune.trial_config",
-                                   "mtbert.tune.work_folders", "mtbert.tune.worker_exit",
-                                   "mtbert.tune.extension"]),
-    ("tune: choices", ["mtbert.tune.schedulers", "mtbert.tune.searchers",
-                       "mtbert.tune.choices"]),
-    ("tune: setup", ["mtbert.tune.spaces", "mtbert.tune.location", "mtbert.tune.cluster",
-                     "mtbert.tune.mps",
-                     "mtbert.tune.tracking", "mtbert.tune.saved_settings",
-                     "mtbert.tune.settings"]),
-    ("tune: run", ["mtbert.tune.tuner", "mtbert.tune.trainable"]),
-    ("tune: results", ["mtbert.tune.callback", "mtbert.tune.finalists", "mtbert.tune.report",
-                       "mtbert.tune.importances", "mtbert.tune.summary",
-                       "mtbert.tune.retention", "mtbert.tune.mlflow_results"]),
-    ("commands", ["mtbert.train", "mtbert.tune.cli", "mtbert.tune.driver"]),
 ]
+#: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
+#: settings, the driver) are the commands layer with ``mtbert.train``
+TUNE_PACKAGES = ["trial", "search", "infra", "results"]
+
+
+def tune_layers(root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    """The search's layers from the tree: one per package of mtbert/tune (every module
+    under it, sub-packages included), then the commands."""
+    tune = root / "tune"
+    folders = sorted(p.name for p in tune.iterdir() if (p / "__init__.py").is_file())
+    assert folders == sorted(TUNE_PACKAGES), (
+        f"mtbert/tune's packages {folders} are not TUNE_PACKAGES {TUNE_PACKAGES}: give a new "
+        "package its place in the order")
+    modules = package_modules(root)
+    layers = [(f"tune: {pkg}", sorted(m for m in modules if m.startswith(f"mtbert.tune.{pkg}.")
+                                      or m == f"mtbert.tune.{pkg}"))
+              for pkg in TUNE_PACKAGES]
+    top = sorted(m for m, path in modules.items() if path.parent == tune)
+    return layers + [("commands", ["mtbert.train", *top])]
+
+
+def all_layers() -> list[tuple[str, list[str]]]:
+    return TRAINER_LAYERS + tune_layers()
 #: what an in-function import may defer (tests/test_cli_startup.py's, and the extras')
 HEAVY = {"ray", "mlflow", "optuna", "torch", "transformers", "matplotlib", "pandas", "scipy",
          "pyarrow", "sklearn", "hpbandster", "ConfigSpace"}
@@ -214,13 +224,13 @@ def cycles(imports: list[Import]) -> list[list[str]]:
 
 
 def layer_of() -> dict[str, int]:
-    return {m: i for i, (_, members) in enumerate(LAYERS) for m in members}
+    return {m: i for i, (_, members) in enumerate(all_layers()) for m in members}
 
 
 def upward(imports: list[Import]) -> list[str]:
-    layer = layer_of()
-    return [f"{i.source} ({LAYERS[layer[i.source]][0]}) imports {i.target} "
-            f"({LAYERS[layer[i.target]][0]}), line {i.line}"
+    layer, layers = layer_of(), all_layers()
+    return [f"{i.source} ({layers[layer[i.source]][0]}) imports {i.target} "
+            f"({layers[layer[i.target]][0]}), line {i.line}"
             for i in imports if layer[i.target] > layer[i.source]]
 
 
@@ -303,37 +313,37 @@ def test_a_ray_worker_needs_no_command_line_module(graph):
     """The trainable reaches the trial-config merge without the CLI's settings module or
     the Tuner's (tuner.py)."""
     _, imports, _ = graph
-    reached, todo = set(), ["mtbert.tune.trainable"]
+    reached, todo = set(), ["mtbert.tune.trial.trainable"]
     while todo:
         m = todo.pop()
         for i in imports:
             if i.source == m and i.target not in reached:
                 reached.add(i.target)
                 todo.append(i.target)
-    assert reached.isdisjoint({"mtbert.tune.settings", "mtbert.tune.tuner",
+    assert reached.isdisjoint({"mtbert.tune.settings", "mtbert.tune.search.tuner",
                                "mtbert.tune.cli", "mtbert.tune.driver"})
 
 
 def docs_layers() -> dict[str, set[str]]:
     """docs/architecture.md's layer table: each layer and the modules its row names."""
     text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
-    names = [name for name, _ in LAYERS]
+    names = [name for name, _ in all_layers()]
     table: dict[str, set[str]] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("|") or cells[0] not in names:
             continue
         prefix = "mtbert.tune." if cells[0].startswith("tune") else "mtbert."
-        table[cells[0]] = {"mtbert." + f.replace("/", ".") if "/" in f else prefix + f
+        table[cells[0]] = {prefix + f.replace("/", ".")
                            for f in re.findall(r"`([\w/]+)\.py`", cells[1])}
     return table
 
 
 def test_the_docs_layer_table_is_this_one():
-    """The table names each module in the layer ``LAYERS`` puts it in (the packages'
-    ``__init__`` modules aside)."""
+    """The table names each module in the layer it is in (the packages' ``__init__``
+    modules aside): every module of the tree is named, and every module named exists."""
     packages = {m for m, path in package_modules().items() if path.name == "__init__.py"}
-    assert docs_layers() == {name: set(members) - packages for name, members in LAYERS}
+    assert docs_layers() == {name: set(members) - packages for name, members in all_layers()}
 
 
 def test_no_function_is_longer_than_80_lines():
@@ -381,6 +391,36 @@ def test_an_in_function_import_must_say_what_it_defers(tmp_path):
 
 
 def test_an_upward_import_is_reported():
-    imports = [Import("mtbert.tune.settings", "mtbert.tune.tuner", 3, False, frozenset())]
-    assert upward(imports) == ["mtbert.tune.settings (tune: setup) imports mtbert.tune.tuner "
-                               "(tune: run), line 3"]
+    imports = [Import("mtbert.tune.search.tuner", "mtbert.tune.results.records", 3, False,
+                      frozenset())]
+    assert upward(imports) == ["mtbert.tune.search.tuner (tune: search) imports "
+                               "mtbert.tune.results.records (tune: results), line 3"]
+
+
+def readme_layout_modules() -> set[str]:
+    """The mtbert modules README's layout names: its code block, read by indentation
+    (``name/`` a folder, ``name.py`` a module in the folder above it)."""
+    text = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    stack: list[tuple[int, str]] = []
+    found = set()
+    for line in block.splitlines():
+        match = re.match(r"^( *)([\w.]+/?)\s", line + " ")
+        if not match or not (match.group(2).endswith("/") or match.group(2).endswith(".py")):
+            continue
+        indent, name = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([s for _, s in stack] + [name.rstrip("/")])
+        if name.endswith("/"):
+            stack.append((indent, name.rstrip("/")))
+        elif path.startswith("mtbert/"):
+            found.add(path[:-3].replace("/", "."))
+    return found
+
+
+def test_readme_s_layout_names_every_module_and_only_those():
+    modules = {m for m, path in package_modules().items() if path.name != "__init__.py"}
+    named = readme_layout_modules()
+    assert sorted(named - modules) == [], "README names modules that do not exist"
+    assert sorted(modules - named) == [], "README's layout leaves these out"

@@ -110,7 +110,7 @@ def test_a_restored_trial_takes_its_configs_lr(tiny_config, tmp_path):
 def test_every_budget_judges_its_rungs_at_the_full_lr(tiny_config, name):
     """Under each budget's trial fields the warm-up ends before the first rung and no
     rung before the last is inside the decay: every trial is judged at the same LR."""
-    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.search.budgets import get_budget
     budget = get_budget(name).resolved(28_091)  # all the training rows (full)
     cfg = tiny_config(lr=1e-3, batch_size=32, **budget.trial_fields())
     assert cfg.lr_schedule == "wsd" and 0 < cfg.warmup_examples < budget.grace_period

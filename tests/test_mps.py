@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mtbert.errors import ConfigError
-from mtbert.tune import mps
+from mtbert.tune.infra import mps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,7 +190,7 @@ def test_ray_workers_get_the_search_s_environment():
     trials are actors) through the job's runtime_env, and not the driver's environment."""
     code = """
 import os, ray
-from mtbert.tune.cluster import ray_for_search
+from mtbert.tune.infra.cluster import ray_for_search
 
 @ray.remote
 def task():

@@ -1,7 +1,7 @@
 """A search whose trials share one GPU under its own CUDA MPS daemon ends with no trial
 faulted.  Tune stops trials and ends their workers while the neighbours train; a worker
 that ended with kernels in flight would fault every other client of the GPU (seen in a
-``full`` search on one H200, 2026-11-27; ``mtbert/tune/worker_exit.py``).  Here the trials
+``full`` search on one H200, 2026-11-27; ``mtbert/tune/trial/worker_exit.py``).  Here the trials
 are tiny and their graphed steps short, so a stop nearly always lands mid-step, and
 ``--max-failures 0`` turns a fault into an errored trial.  Needs a CUDA GPU (skipped
 without, conftest.py), ``nvidia-cuda-mps-control`` and Ray."""

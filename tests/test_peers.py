@@ -79,7 +79,7 @@ def test_the_methods_saw_the_same_rows_and_the_same_space(peer_runs, tiny_data_d
     digest = json.loads(rows.pop())
     assert set(digest) == {"train", "val", "dev"} and len(set(digest.values())) == 3
     spaces = {m: r["space"] for m, r in peer_runs.items()}
-    from mtbert.tune.spaces import load_space
+    from mtbert.tune.search.spaces import load_space
     expected = canonical_space(load_space("smart").params)
     assert expected["lr"] == {"loguniform": [1e-5, 2e-4]}
     assert expected["batch_size"] == {"choice": [8, 16, 32]}

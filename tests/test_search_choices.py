@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtbert.tune.records import OBJECTIVE
+from mtbert.tune.trial.objective import OBJECTIVE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -274,7 +274,7 @@ def test_population_schedulers_evaluate_at_a_fixed_interval(tmp_path, tiny_model
     """The small budget evaluates on ASHA's rungs (x2); PBT / PB2 every 1,000 examples,
     their perturbation interval: in the base config and once the budget is resolved."""
     from mtbert.tune.cli import build_parser
-    from mtbert.tune.tuner import build_scheduler
+    from mtbert.tune.search.tuner import build_scheduler
     from mtbert.tune.settings import resolve_settings
     args = build_parser().parse_args(["--space", "smoke", "--budget", "small", "--model",
                                       tiny_model_dir, "--data-dir", tiny_data_dir,
@@ -321,8 +321,8 @@ def test_rung_metric_default_and_resume_of_a_search_saved_before_it(tmp_path, ti
 
 def test_hyperband_brackets_start_on_the_budgets_rungs():
     """Every bracket's first milestone, in examples, is one of the budget's ASHA rungs."""
-    from mtbert.tune.budgets import BUDGETS
-    from mtbert.tune.schedulers import HyperBandOnRungs
+    from mtbert.tune.search.budgets import BUDGETS
+    from mtbert.tune.search.schedulers.ray_classes import HyperBandOnRungs
     for budget in BUDGETS.values():
         budget = budget.resolved(100_000)
         scheduler = HyperBandOnRungs(budget, OBJECTIVE)
@@ -341,9 +341,9 @@ def test_asha_decides_on_the_rung_metric(rung_metric, stopped):
 
     from ray.tune.schedulers import TrialScheduler
 
-    from mtbert.tune.budgets import get_budget
-    from mtbert.tune.records import RUNG_METRICS
-    from mtbert.tune.tuner import build_scheduler
+    from mtbert.tune.search.budgets import get_budget
+    from mtbert.tune.trial.objective import RUNG_METRICS
+    from mtbert.tune.search.tuner import build_scheduler
     budget = get_budget("smoke").resolved(1000)
     asha = build_scheduler("asha", budget, rung_metric=RUNG_METRICS[rung_metric])
     assert asha.set_search_properties(OBJECTIVE, "max")  # what Tuner(metric=...) does
@@ -381,9 +381,9 @@ def _promoting_asha(budget, num_samples: int, first_rung: int, last_leg_cpus: fl
     """PromotingASHA on ``budget`` deciding on ``rung_metric`` (a --rung-metric), 2 workers,
     with the driver's searcher (told at ``first_rung``) and a fake controller; the last
     value returned is the first rung's metric."""
-    from mtbert.tune.records import rung_metric_keys
-    from mtbert.tune.tuner import build_scheduler, build_searcher
-    from mtbert.tune.spaces import parse_space
+    from mtbert.tune.trial.objective import rung_metric_keys
+    from mtbert.tune.search.tuner import build_scheduler, build_searcher
+    from mtbert.tune.search.spaces import parse_space
     metrics = rung_metric_keys(rung_metric)
     asha = build_scheduler("asha-promote", budget, rung_metric=metrics, workers=2,
                            num_samples=num_samples, last_leg_cpus=last_leg_cpus)
@@ -400,7 +400,7 @@ def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
                            rung_metric: str = "overall_soft"):
     """PromotingASHA (``_promoting_asha``) on a 2,000-example budget, rungs 222 / 666 /
     1,998 (rf 3)."""
-    from mtbert.tune.budgets import Budget
+    from mtbert.tune.search.budgets import Budget
     budget = Budget("b", "d", max_examples=2000, epochs=1, eval_every=222, eval_growth=3,
                     grace_period=222, reduction_factor=3, warmup_examples=96,
                     max_train_per_task=0, max_eval_per_task=0, num_samples=num_samples,
@@ -410,7 +410,7 @@ def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
 
 def test_rung_metric_names_one_metric_or_one_per_rung():
     from mtbert.errors import ConfigError
-    from mtbert.tune.records import rung_metric_keys, rung_metric_label
+    from mtbert.tune.trial.objective import rung_metric_keys, rung_metric_label
     assert rung_metric_keys("overall") == (OBJECTIVE,)
     assert rung_metric_keys("classes_soft, overall_soft") == ("val/classes_soft",
                                                              "val/overall_soft")
@@ -418,8 +418,8 @@ def test_rung_metric_names_one_metric_or_one_per_rung():
     with pytest.raises(ConfigError, match="--rung-metric overall,sts: unknown 'sts'"):
         rung_metric_keys("overall,sts")
     with pytest.raises(ConfigError, match="one metric per rung needs --scheduler asha-promote"):
-        from mtbert.tune.budgets import get_budget
-        from mtbert.tune.tuner import build_scheduler
+        from mtbert.tune.search.budgets import get_budget
+        from mtbert.tune.search.tuner import build_scheduler
         build_scheduler("bohb", get_budget("smoke"), rung_metric=rung_metric_keys(
             "classes_soft,overall_soft"))
 
@@ -586,7 +586,7 @@ def _arrivals(asha, controller, soft: str, trials: dict, resume: bool = False):
 def _promoting_asha_small():
     """PromotingASHA (``_promoting_asha``) on the `small` budget (rungs 1,000 and 2,000
     decide, rf 2, 8 trials: quotas 4 -> 2), 1 CPU per trial, the last leg on 2."""
-    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.search.budgets import get_budget
     made = _promoting_asha(get_budget("small"), 8, 1000, last_leg_cpus=2)
     asha = made[0]
     assert asha.rungs == [1000, 2000] and asha.quota == [4, 2] and asha.deciding == 1
@@ -721,7 +721,7 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.search.budgets import get_budget
     budget = get_budget("smoke").resolved(1000)
     for cpus, pending, decision in ((2, False, TrialScheduler.PAUSE),
                                     (0, False, TrialScheduler.CONTINUE),
@@ -764,7 +764,7 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    from mtbert.tune.budgets import get_budget
+    from mtbert.tune.search.budgets import get_budget
     asha, limiter, controller, finished, soft = _promoting_asha(
         get_budget("smoke").resolved(1000), 2, 48, last_leg_cpus=2, rung_metric="classes_soft")
     assert asha.rungs == [48] and asha.quota == [0]
@@ -788,7 +788,7 @@ def test_promoting_asha_trains_one_trial_to_the_end_when_fewer_than_rf_reach_a_r
 
 
 def test_actors_are_reused_only_where_no_trial_pauses_and_no_node_can_die():
-    from mtbert.tune.tuner import reuses_actors
+    from mtbert.tune.search.tuner import reuses_actors
     assert reuses_actors("asha", None) and reuses_actors("fifo", None)
     for pausing in ("bohb", "pbt", "pb2"):
         assert not reuses_actors(pausing, None)

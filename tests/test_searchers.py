@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from mtbert.tune.tuner import build_searcher
-from mtbert.tune.searchers import MAX_ASKS
-from mtbert.tune.spaces import parse_space
+from mtbert.tune.search.tuner import build_searcher
+from mtbert.tune.search.searchers import MAX_ASKS
+from mtbert.tune.search.spaces import parse_space
 
 
 def _searcher(params: dict, name: str = "optuna", num_samples: int = 8):

@@ -26,8 +26,8 @@ SOURCES = sorted([*(REPO / "mtbert").rglob("*.py"), REPO / "tune_driver.py",
                   *(REPO / "bench").glob("*.py"), *(REPO / "tests").glob("*.py")])
 DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", REPO / "cluster" / "aws-gpu.yaml",
         REPO / "cluster" / "kuberay-raycluster.yaml", REPO / "mtbert" / "tune" / "__init__.py",
-        REPO / "mtbert" / "tune" / "driver.py", REPO / "mtbert" / "tune" / "cluster.py",
-        REPO / "mtbert" / "tune" / "tracking.py", *sorted((REPO / "docs").rglob("*.md"))]
+        REPO / "mtbert" / "tune" / "driver.py", REPO / "mtbert" / "tune" / "infra" / "cluster.py",
+        REPO / "mtbert" / "tune" / "infra" / "tracking.py", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 # ---------------------------------------------------------------------- code
@@ -151,7 +151,7 @@ def _non_loopback_ipv4() -> list[str]:
 def local_ray():
     import ray
 
-    from mtbert.tune.cluster import dashboard_url, start_local_ray
+    from mtbert.tune.infra.cluster import dashboard_url, start_local_ray
     if ray.is_initialized():
         pytest.skip("a Ray session is already open in this process")
     start_local_ray(num_cpus=1)
@@ -185,7 +185,7 @@ def test_driver_says_how_to_get_into_the_dashboard(local_ray):
     import urllib.error
     import urllib.request
 
-    from mtbert.tune.cluster import dashboard_lines
+    from mtbert.tune.infra.cluster import dashboard_lines
     lines = dashboard_lines()
     assert lines[0] == f"Ray dashboard: {local_ray}"
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtbert.config import TrainConfig
-from mtbert.tune.spaces import (SpaceError, available_spaces, default_spaces_dir, list_spaces,
-                                load_space)
+from mtbert.tune.search.spaces import (SpaceError, available_spaces, default_spaces_dir,
+                                       list_spaces, load_space)
 
 REQUIRED = ("smart", "sampler", "pcgrad", "arch", "pretrain", "full", "smoke")
 
@@ -53,8 +53,7 @@ def test_every_sampled_config_is_a_valid_train_config(name):
 
 
 def test_distributions_map_to_ray_and_optuna(tmp_path):
-    from optuna.distributions import (CategoricalDistribution, FloatDistribution,
-                                      IntDistribution)
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
     from ray.tune.search.sample import Categorical, Float, Integer
     path = tmp_path / "mixed.yaml"
     path.write_text(

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtbert.tune.choices import DEFAULT_SEARCHER
-from mtbert.tune.summary import duration
+from mtbert.tune.search.choices import DEFAULT_SEARCHER
+from mtbert.tune.results.summary import duration
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 6

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mtbert.tune.finalists import build_ensemble
-from mtbert.tune.importances import param_importances
-from mtbert.tune.records import TrialRecord
-from mtbert.tune.report import write_report
+from mtbert.tune.results.finalists import build_ensemble
+from mtbert.tune.results.importances import param_importances
+from mtbert.tune.results.records import TrialRecord
+from mtbert.tune.results.report import write_report
 
 
 class FakeData:
@@ -101,7 +101,7 @@ def test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed(tmp_p
     """A search finalised twice (Ctrl-C, then --resume): the same ensemble keeps its MLflow
     run; a different one gets a new run (params are immutable) and the old one is kept,
     tagged ``superseded_by``."""
-    from mtbert.tune.tracking import SearchTracker
+    from mtbert.tune.infra.tracking import SearchTracker
     tracker = SearchTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "mtbert/test", tmp_path,
                             fresh=True)
     tracker.start_parent("search", {"space": "x"}, {})
@@ -123,7 +123,7 @@ def test_a_driver_killed_while_ending_a_trial_resumes_with_its_end(tmp_path):
     """The tracker records a trial's end in its state file before it writes the MLflow run:
     a driver killed between the two resumes with the trial ended (so it is not trained
     again) and writes the run's end then; a frozen trial's run takes no other end."""
-    from mtbert.tune.tracking import SearchTracker
+    from mtbert.tune.infra.tracking import SearchTracker
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = SearchTracker(uri, "mtbert/test", tmp_path, fresh=True)
     tracker.start_parent("search", {"space": "x"}, {})
@@ -149,9 +149,9 @@ def test_a_driver_killed_while_ending_a_trial_resumes_with_its_end(tmp_path):
 
 
 def test_plots_label_every_axis_and_keep_legends_off_the_curves():
-    from mtbert.tune.report import (best_so_far_figure, importances_figure,
-                                    learning_curves_figure)
-    from mtbert.tune.records import TrialStatus
+    from mtbert.tune.results.report import (best_so_far_figure, importances_figure,
+                                            learning_curves_figure)
+    from mtbert.tune.results.records import TrialStatus
     trials = [TrialRecord(f"t{i}", f"trial_t{i}", TrialStatus.COMPLETED, {"lr": 1e-4 * i},
                           history=[{"examples_seen": 48 * k, "val/overall": 0.4 + 0.01 * k * i,
                                     "timestamp": float(10 * i + k)} for k in (1, 2, 3)])

@@ -11,14 +11,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mtbert.tune.budgets import get_budget
-from mtbert.tune.finalists import build_ensemble
-from mtbert.tune.location import ExperimentLocation
-from mtbert.tune.records import (OBJECTIVE, TrialStatus, collect_trials, ranked, rung_reached,
-                                 summarize_error, trial_record, trial_status)
+from mtbert.tune.search.budgets import get_budget
+from mtbert.tune.results.finalists import build_ensemble
+from mtbert.tune.infra.location import ExperimentLocation
+from mtbert.tune.trial.objective import OBJECTIVE
+from mtbert.tune.results.records import (TrialStatus, collect_trials, ranked, rung_reached,
+                                         summarize_error, trial_record, trial_status)
 from mtbert.tune.settings import SearchSettings
-from mtbert.tune.spaces import load_space
-from mtbert.tune.summary import MlflowRefs, build_summary, first_ready_s, phases_line
+from mtbert.tune.search.spaces import load_space
+from mtbert.tune.results.summary import MlflowRefs, build_summary, first_ready_s, phases_line
 
 MAX = 192
 RUNGS = [48, 144]
@@ -36,7 +37,7 @@ def test_trial_status_is_decided_once():
 
 def test_summarize_error_prefers_the_trial_failed_reason():
     text = "Traceback (most recent call last):\n  File x\nValueError: inner\n" \
-           "mtbert.tune.trainable.TrialFailed: non-finite loss: sst loss became nan\n"
+           "mtbert.tune.trial.trainable.TrialFailed: non-finite loss: sst loss became nan\n"
     assert summarize_error(text) == "TrialFailed: non-finite loss: sst loss became nan"
     assert summarize_error("RuntimeError: boom\n  more") == "RuntimeError: boom"
     assert summarize_error("") == ""
@@ -139,7 +140,7 @@ def _stopped_trial(tmp_path: Path, tid: str, reported: list[int], folder_only: l
     import pyarrow.fs
     from ray.tune import Checkpoint, Result
 
-    from mtbert.tune.records import TrainedLog
+    from mtbert.tune.trial.trained_log import TrainedLog
     trial_dir = tmp_path / f"trial_{tid}"
     rows, listed = [], []
     for i, seen in enumerate(reported + folder_only):

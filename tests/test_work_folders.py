@@ -1,4 +1,4 @@
-"""Trial work folders (mtbert/tune/work_folders.py): a folder whose worker process ended
+"""Trial work folders (mtbert/tune/trial/work_folders.py): a folder whose worker process ended
 without cleaning up -- what Ray does to a stopped or paused trial's worker -- is removed
 by the next sweep on the same host; live owners' folders, other hosts' and other files
 are left alone."""
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtbert.tune import work_folders
+from mtbert.tune.trial import work_folders
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _folder_of_a_process_that_ended(tmp_path: Path) -> Path:
     """A work folder made (with a file in it) by a Python process that then exits
     without removing it."""
-    code = ("import sys; from mtbert.tune import work_folders; f = work_folders.make(); "
+    code = ("import sys; from mtbert.tune.trial import work_folders; f = work_folders.make(); "
             "(f / 'run').mkdir(); (f / 'run' / 'model.safetensors').write_bytes(b'x' * 1000); "
             "print(f)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -50,7 +50,7 @@ def test_sweep_removes_the_folders_of_ended_processes_only(tmp_path):
 def test_sweep_waits_for_an_owner_that_is_ending(tmp_path):
     """The driver's sweep right after a search: a worker still winding down for a moment
     is waited for (up to wait_s), then its folder goes."""
-    code = ("import time; from mtbert.tune import work_folders; print(work_folders.make(), "
+    code = ("import time; from mtbert.tune.trial import work_folders; print(work_folders.make(), "
             "flush=True); time.sleep(1.5)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "TMPDIR": str(tmp_path)})

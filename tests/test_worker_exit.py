@@ -1,5 +1,5 @@
 """A trial worker's exit waits for its training thread to leave the GPU
-(``mtbert.tune.worker_exit``).  CI has no GPU: where a test needs the process to count
+(``mtbert.tune.trial.worker_exit``).  CI has no GPU: where a test needs the process to count
 as using CUDA, it says so (``gpu=True``, or in a child process the module's two CUDA
 checks replaced), and the waiting is real: real threads, a real ``atexit`` at a real
 process exit."""
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from mtbert.tune import worker_exit
+from mtbert.tune.trial import worker_exit
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +102,7 @@ def test_a_process_exit_waits_for_its_trial_thread(tmp_path):
     mark = tmp_path / "left"
     child = textwrap.dedent(f"""
         import sys, threading, time
-        from mtbert.tune import worker_exit
+        from mtbert.tune.trial import worker_exit
         worker_exit._cuda_in_use = lambda: True  # as on a GPU worker
         worker_exit._synchronize = lambda: None
         worker_exit.trial_started()
@@ -131,7 +131,7 @@ def test_a_ray_actor_ended_as_tune_ends_it_runs_the_exit_wait(shared_ray, tmp_pa
     @ray.remote(num_cpus=0)
     class Worker:
         def start(self, mark_path):
-            from mtbert.tune import worker_exit
+            from mtbert.tune.trial import worker_exit
             worker_exit._cuda_in_use = lambda: True  # as on a GPU worker
             worker_exit._synchronize = lambda: None
             worker_exit.trial_started()

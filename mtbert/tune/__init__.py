@@ -11,13 +11,13 @@ Run it with ``python tune_driver.py --space NAME`` (``--help``, ``--list-spaces`
 A search, as :func:`mtbert.tune.driver.run` reads: :mod:`~mtbert.tune.cli` parses the
 arguments, :mod:`~mtbert.tune.settings` checks them into one frozen ``SearchSettings``
 (exit 2, nothing written, on bad input), the driver loads and tokenises the data once,
-starts or joins Ray (:mod:`~mtbert.tune.cluster`), opens the MLflow parent run
-(:mod:`~mtbert.tune.tracking`), runs the Tuner (:mod:`~mtbert.tune.tuner`: Optuna TPE
-+ ASHA over :mod:`~mtbert.tune.trainable` trials, each mirrored into MLflow by
-:mod:`~mtbert.tune.callback`), collects the trials (:mod:`~mtbert.tune.records`), lets
-the finalists' best checkpoints predict and ensembles them (:mod:`~mtbert.tune.finalists`),
-writes the plots (:mod:`~mtbert.tune.report`) and the summary
-(:mod:`~mtbert.tune.summary`), logs to MLflow and uploads (:mod:`~mtbert.tune.location`).
+starts or joins Ray (:mod:`~mtbert.tune.infra.cluster`), opens the MLflow parent run
+(:mod:`~mtbert.tune.infra.tracking`), runs the Tuner (:mod:`~mtbert.tune.search.tuner`: Optuna TPE
++ ASHA over :mod:`~mtbert.tune.trial.trainable` trials, each mirrored into MLflow by
+:mod:`~mtbert.tune.results.callback`), collects the trials (:mod:`~mtbert.tune.results.records`), lets
+the finalists' best checkpoints predict and ensembles them (:mod:`~mtbert.tune.results.finalists`),
+writes the plots (:mod:`~mtbert.tune.results.report`) and the summary
+(:mod:`~mtbert.tune.results.summary`), logs to MLflow and uploads (:mod:`~mtbert.tune.infra.location`).
 
 Outputs of a search ``<storage>/<experiment>/`` (default ``./ray_results/...``):
 Ray's trial folders and checkpoints, ``summary.json``, ``summary.md``,

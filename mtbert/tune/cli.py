@@ -14,14 +14,14 @@ import sys
 
 from mtbert.config import EMBEDDED_MODEL
 from mtbert.errors import ConfigError, MtbertError
-from mtbert.tune.budgets import BUDGETS
-from mtbert.tune.cluster import quiet_environment
-from mtbert.tune.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEEP_CHOICES, SCHEDULERS,
-                                 SEARCHERS)
-from mtbert.tune.mps import CHOICES as MPS_CHOICES
-from mtbert.tune.records import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
+from mtbert.tune.search.budgets import BUDGETS
+from mtbert.tune.infra.cluster import quiet_environment
+from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEEP_CHOICES,
+                                        SCHEDULERS, SEARCHERS)
+from mtbert.tune.infra.mps import CHOICES as MPS_CHOICES
+from mtbert.tune.trial.objective import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
 from mtbert.tune.settings import resolve_settings, resume_command
-from mtbert.tune.spaces import list_spaces
+from mtbert.tune.search.spaces import list_spaces
 
 
 class DriverArgumentParser(argparse.ArgumentParser):

@@ -18,26 +18,28 @@ import time
 from mtbert.atomic import atomic_write_text
 from mtbert.config import TrainConfig
 from mtbert.data import load_data
-from mtbert.tune import finalists as fin
-from mtbert.tune import work_folders
-from mtbert.tune.callback import MlflowTrialCallback, close_unended_runs
-from mtbert.tune.extension import TRIALS_FILE, KnownTrial, trials_document
-from mtbert.tune.cluster import dashboard_lines, plan_resources, ray_for_search
-from mtbert.tune.location import STAGED_CHECKPOINTS, reset_staging
-from mtbert.tune.mlflow_results import (log_ensemble_run, log_search_metrics,
-                                        log_trial_results, note_search, runs_view_key,
-                                        share_runs_view, ui_links)
-from mtbert.tune.mps import MPS_LOG_FOLDER, cuda_mps, local_gpu
-from mtbert.tune.records import OBJECTIVE, collect_trials, ranked, rung_metric_label
-from mtbert.tune.report import write_report
-from mtbert.tune.retention import keep_what_was_asked
-from mtbert.tune.tuner import InterruptWatch, build_tuner, told_points, told_summary
+from mtbert.tune.results import finalists as fin
+from mtbert.tune.trial import work_folders
+from mtbert.tune.results.callback import MlflowTrialCallback, close_unended_runs
+from mtbert.tune.results.extension import (TRIALS_FILE, KnownTrial, points_for_searcher,
+                                           searcher_told_line, trials_document)
+from mtbert.tune.infra.cluster import dashboard_lines, plan_resources, ray_for_search
+from mtbert.tune.infra.location import STAGED_CHECKPOINTS, reset_staging
+from mtbert.tune.results.mlflow_results import (log_ensemble_run, log_search_metrics,
+                                                log_trial_results, note_search, runs_view_key,
+                                                share_runs_view, ui_links)
+from mtbert.tune.infra.mps import MPS_LOG_FOLDER, cuda_mps, local_gpu
+from mtbert.tune.trial.objective import OBJECTIVE, rung_metric_label
+from mtbert.tune.results.records import collect_trials, ranked
+from mtbert.tune.results.report import write_report
+from mtbert.tune.results.retention import keep_what_was_asked
+from mtbert.tune.search.tuner import InterruptWatch, build_tuner
 from mtbert.tune.saved_settings import SETTINGS_FILE
 from mtbert.tune.settings import SearchSettings, resume_command
-from mtbert.tune.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary, build_summary,
-                                 first_ready_s, phases_line)
-from mtbert.tune.tracking import SearchTracker
-from mtbert.tune.trainable import train_trial
+from mtbert.tune.results.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary,
+                                         build_summary, first_ready_s, phases_line)
+from mtbert.tune.infra.tracking import SearchTracker
+from mtbert.tune.trial.trainable import train_trial
 
 
 def run(settings: SearchSettings) -> int:
@@ -116,7 +118,7 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
           f"{settings.search_alg}; {settings.num_samples} "
           f"trials, {max_concurrent} at once", flush=True)
     if settings.extends is not None:
-        print(f"[tune] {told_summary(settings)}", flush=True)
+        print(f"[tune] {searcher_told_line(settings)}", flush=True)
     return tracker, parent
 
 
@@ -170,7 +172,8 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
         {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
-    tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent)
+    tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent,
+                                   points_for_searcher(settings))
     with InterruptWatch() as watch:
         grid = tuner.fit()
     # Ray ends stopped and paused trials' workers before their clean-up runs
@@ -212,7 +215,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
                       runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
-                            interrupted, ended_sampling, left_out, len(told_points(settings)))
+                            interrupted, ended_sampling, left_out, len(points_for_searcher(settings)))
 
     log_trial_results(tracker, records, settings.base, data, preds, dev_of)
     if ensemble is not None:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from mtbert.errors import ConfigError
-from mtbert.tune import location as loc
-from mtbert.tune.extension import TRIALS_FILE, parse_trials
-from mtbert.tune.spaces import SearchSpace, load_space, parse_space
+from mtbert.tune.infra import location as loc
+from mtbert.tune.results.extension import TRIALS_FILE, parse_trials
+from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
 
 SETTINGS_FILE = "mtbert_search.json"
 #: CLI values a resumed search takes from the new command line, not from its saved settings

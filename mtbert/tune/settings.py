@@ -5,7 +5,7 @@
 store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
 the flag; it writes nothing.  What ``--resume`` and ``--extend`` take from an earlier run
 of the driver is read by :mod:`mtbert.tune.saved_settings`.  (The merge of the base config and a trial's sampled values is
-:func:`mtbert.tune.trial_config.trial_config`.)
+:func:`mtbert.tune.trial.trial_config.trial_config`.)
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from mtbert.atomic import check_creatable
 from mtbert.config import TrainConfig, default_cache_dir
 from mtbert.errors import ConfigError
 from mtbert.pretrained import check_model
-from mtbert.tune import location as loc
-from mtbert.tune import mps
-from mtbert.tune.budgets import Budget, get_budget
-from mtbert.tune.cluster import ResourcePlan, check_ray_address
-from mtbert.tune.extension import EarlierSearch, check_known_trials, earlier_search, measured_on
-from mtbert.tune.choices import (check_optional_packages, check_per_rung, default_rung_metric,
-                                 resolve_scheduler, resolve_search_alg, scheduler_choice,
-                                 searcher_choice)
-from mtbert.tune.records import rung_metric_keys
+from mtbert.tune.infra import location as loc
+from mtbert.tune.infra import mps
+from mtbert.tune.search.budgets import Budget, get_budget
+from mtbert.tune.infra.cluster import ResourcePlan, check_ray_address
+from mtbert.tune.results.extension import (EarlierSearch, check_known_trials, earlier_search,
+                                           measured_on)
+from mtbert.tune.search.choices import (check_optional_packages, check_per_rung,
+                                        default_rung_metric, resolve_scheduler, resolve_search_alg,
+                                        scheduler_choice, searcher_choice)
+from mtbert.tune.trial.objective import rung_metric_keys
 from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
-from mtbert.tune.spaces import SearchSpace, load_space, parse_space
-from mtbert.tune.tracking import TrackingError, check_tracking_uri, default_tracking_uri
+from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
+from mtbert.tune.infra.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 
@@ -58,7 +59,7 @@ class SearchSettings:
     resume: bool
     search_alg: str
     scheduler: str
-    rung_metric: str                 # --rung-metric: records.rung_metric_keys
+    rung_metric: str                 # --rung-metric: objective.rung_metric_keys
     seed: int
     cpus_per_trial: float
     gpus_per_trial: float | None    # None: chosen from the cluster (with_resources)

@@ -14,7 +14,7 @@ hands the folder to Ray with ``tune.report(scalar metrics, checkpoint=tune.Check
 copies it to the storage path before the trainer overwrites it at the next evaluation.
 A retried trial (worker lost, ``FailureConfig``) resumes from ``tune.get_checkpoint()``.
 Each run of a trial (from its start, or from the checkpoint Ray restored it from) writes
-how far it trained into the trial folder (``records.TrainedLog``): at its start, at each
+how far it trained into the trial folder (``trained_log.TrainedLog``): at its start, at each
 report and where it ends -- a stop or pause reaches the trainer at its next step, and a
 worker that Tune ends while its trial trains writes it on its way out -- so the
 examples trained after the last report are counted.
@@ -38,9 +38,10 @@ from typing import Any
 from mtbert.config import PERTURBED
 from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
-from mtbert.tune import work_folders, worker_exit
-from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS, TrainedLog
-from mtbert.tune.trial_config import trial_config
+from mtbert.tune.trial import work_folders, worker_exit
+from mtbert.tune.trial.objective import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
+from mtbert.tune.trial.trained_log import TrainedLog
+from mtbert.tune.trial.trial_config import trial_config
 
 FAILED_MARKER = "mtbert_failed.txt"
 
@@ -147,7 +148,7 @@ def _wait_for_the_actor_to_exit(work: Path) -> None:
     Trainer is freed as the stack unwinds.
 
     Either way the GPU has finished this thread's work first: the process's exit waits
-    for that (:mod:`mtbert.tune.worker_exit`; under CUDA MPS a process ending with
+    for that (:mod:`mtbert.tune.trial.worker_exit`; under CUDA MPS a process ending with
     kernels in flight faults the GPU's other trials)."""
     worker_exit.off_the_gpu()
     if _actor_is_being_reset():

@@ -15,10 +15,9 @@ import signal
 from typing import Any, Sequence
 
 from mtbert.errors import ConfigError
-from mtbert.tune.budgets import Budget
-from mtbert.tune.choices import SCHEDULERS, scheduler_choice, searcher_choice
-from mtbert.tune.extension import searcher_points, told_line
-from mtbert.tune.records import MODE, OBJECTIVE, rung_metric_keys
+from mtbert.tune.search.budgets import Budget
+from mtbert.tune.search.choices import SCHEDULERS, scheduler_choice, searcher_choice
+from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_keys
 
 
 def trial_name(trial) -> str:
@@ -32,33 +31,11 @@ def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
     """The ``--search-alg``; under a scheduler that frees paused trials' places
     (``asha-promote``; Optuna only) behind a RunningTrialsLimiter told each trial's
     ``rung_metric`` (the first rung's, where one per rung) at ``first_rung`` examples.
-    ``earlier``: extension.EarlierPoint it is told first (``--extend``: :func:`told_points`)."""
+    ``earlier``: extension.EarlierPoint it is told first (``--extend``:
+    extension.points_for_searcher)."""
     return searcher_choice(name).build(seed, max_concurrent, num_samples,
                                        scheduler_choice(scheduler), first_rung,
                                        _per_rung(rung_metric)[0], earlier=list(earlier))
-
-
-def told_points(settings) -> list:
-    """What the searcher of a search started with ``--extend`` is told of the earlier
-    trials: as it will be told its own (extension.searcher_points); none where the
-    searcher cannot be told (random, BOHB)."""
-    if settings.extends is None or not searcher_choice(settings.search_alg).learns_from_earlier:
-        return []
-    return searcher_points(settings.extends, list(settings.space.searched),
-                           *_searcher_feedback(settings))
-
-
-def told_summary(settings) -> str:
-    """The driver's line on what the searcher of an ``--extend`` search was told."""
-    return told_line(told_points(settings), settings.extends, settings.search_alg,
-                     *_searcher_feedback(settings))
-
-
-def _searcher_feedback(settings) -> tuple[bool, int, str]:
-    """(told at the first rung, the first rung in examples, the metric told): as the
-    searcher is told each trial of its own search."""
-    return (scheduler_choice(settings.scheduler).frees_paused_places,
-            settings.budget.grace_period, rung_metric_keys(settings.rung_metric)[0])
 
 
 def build_scheduler(name: str, budget: Budget, space=None,
@@ -103,9 +80,11 @@ def reuses_actors(scheduler: str, address: str | None) -> bool:
     return scheduler_choice(scheduler).reuses_actors and not address
 
 
-def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
+def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int,
+                earlier: Sequence = ()):
     """(A new Tuner for the search, its scheduler), or (the restored one on ``--resume``,
-    None: Ray unpickles its own copy of the scheduler)."""
+    None: Ray unpickles its own copy of the scheduler).  ``earlier``: the points its
+    searcher is told first (``--extend``: extension.points_for_searcher)."""
     from ray import tune
     location = settings.location
     param_space = settings.space.param_space()
@@ -126,7 +105,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int):
         search_alg=build_searcher(
             settings.search_alg, settings.seed, 0 if population else max_concurrent,
             settings.num_samples, settings.scheduler, settings.budget.grace_period,
-            rung_metric_keys(settings.rung_metric), told_points(settings)),
+            rung_metric_keys(settings.rung_metric), earlier),
         scheduler=scheduler, reuse_actors=reuses_actors(settings.scheduler, settings.address),
         # PBT / PB2 keep every checkpoint while they run: a trial restores another's
         # latest checkpoint some time after PBT chose it, and by then a top-2 rule can

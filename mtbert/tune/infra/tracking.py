@@ -13,7 +13,7 @@ Layout in the MLflow experiment ``mtbert/<space>``:
   members their dev/test predictions;
 * one **ensemble run** (also a child of the parent, tag ``kind=ensemble``).
 
-:class:`~mtbert.tune.callback.MlflowTrialCallback` is a ``ray.tune.Callback``: Tune calls it in the driver on
+:class:`~mtbert.tune.results.callback.MlflowTrialCallback` is a ``ray.tune.Callback``: Tune calls it in the driver on
 every trial start/result/completion/error.  Run ids and the last logged step of each
 trial are kept in ``<experiment dir>/mtbert_mlflow.json``, so a resumed search
 (``Tuner.restore``) reuses its runs and never logs a step twice.  With a URI
@@ -31,7 +31,7 @@ from typing import Any
 from mtbert.atomic import atomic_write_text, check_creatable
 from mtbert.errors import MtbertError
 from mtbert.metrics import scalar_metrics
-from mtbert.tune import location as loc
+from mtbert.tune.infra import location as loc
 
 STATE_FILE = "mtbert_mlflow.json"
 #: state file -> its state, shared by every tracker of this process: on ``Tuner.restore``

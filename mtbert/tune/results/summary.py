@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mtbert.metrics import scalar_metrics
-from mtbert.tune.records import MODE, OBJECTIVE, TrialRecord, TrialStatus, rung_metric_label
-from mtbert.tune.trial_config import trial_config_values
+from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_label
+from mtbert.tune.results.records import TrialRecord, TrialStatus
+from mtbert.tune.trial.trial_config import trial_config_values
 
 NAN = float("nan")
 
@@ -272,8 +273,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
                   ended_sampling: bool = False, left_out: dict[str, str] | None = None,
                   told: int = 0) -> SearchSummary:
     """The summary of a finished (or interrupted) search; ``ensemble`` is an
-    :class:`~mtbert.tune.finalists.EnsembleResult` or None; ``report`` is what
-    :func:`~mtbert.tune.report.write_report` returned.  ``records`` are this search's
+    :class:`~mtbert.tune.results.finalists.EnsembleResult` or None; ``report`` is what
+    :func:`~mtbert.tune.results.report.write_report` returned.  ``records`` are this search's
     trials; ``ranked`` may hold an earlier search's too (``--extend``), and
     ``left_out`` the better-ranked ones the ensemble could not take; ``told``: how many
     earlier trials the searcher was told."""

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from mtbert.metrics import confusion_matrix, scalar_metrics
-from mtbert.tune.finalists import write_member_predictions
-from mtbert.tune.records import BEST_OBJECTIVE, OBJECTIVE
-from mtbert.tune.report import confusion_plot
-from mtbert.tune.tracking import SearchTracker
-from mtbert.tune.trial_config import trial_config_values
+from mtbert.tune.results.finalists import write_member_predictions
+from mtbert.tune.trial.objective import BEST_OBJECTIVE, OBJECTIVE
+from mtbert.tune.results.report import confusion_plot
+from mtbert.tune.infra.tracking import SearchTracker
+from mtbert.tune.trial.trial_config import trial_config_values
 
 #: where ``mlflow ui`` serves a local store (its default port)
 LOCAL_UI = "http://127.0.0.1:5000"

@@ -34,7 +34,9 @@ from typing import Any
 
 from mtbert.config import TrainConfig, coerce_value
 from mtbert.errors import ConfigError
-from mtbert.tune.records import OBJECTIVE, TrialRecord, TrialStatus
+from mtbert.tune.search.choices import scheduler_choice, searcher_choice
+from mtbert.tune.trial.objective import OBJECTIVE, rung_metric_keys
+from mtbert.tune.results.records import TrialRecord, TrialStatus
 
 #: every finished search's trials (own and inherited), what ``--extend`` reads
 TRIALS_FILE = "trials.json"
@@ -290,3 +292,27 @@ def earlier_from_records(experiment: str, records: list[TrialRecord], searched: 
     weights."""
     return EarlierSearch(experiment, parent_run_id, None, list(searched),
                          joint=[KnownTrial(r, experiment, {}, None) for r in records])
+
+
+# ---------------------------------------------------------------------- what the searcher is told
+def points_for_searcher(settings) -> list[EarlierPoint]:
+    """What the searcher of a search started with ``--extend`` is told of the earlier
+    trials: as it will be told its own (:func:`searcher_points`); none where the
+    searcher cannot be told (random, BOHB)."""
+    if settings.extends is None or not searcher_choice(settings.search_alg).learns_from_earlier:
+        return []
+    return searcher_points(settings.extends, list(settings.space.searched),
+                           *_searcher_feedback(settings))
+
+
+def searcher_told_line(settings) -> str:
+    """The driver's line on what the searcher of an ``--extend`` search was told."""
+    return told_line(points_for_searcher(settings), settings.extends, settings.search_alg,
+                     *_searcher_feedback(settings))
+
+
+def _searcher_feedback(settings) -> tuple[bool, int, str]:
+    """(told at the first rung, the first rung in examples, the metric told): as the
+    searcher is told each trial of its own search."""
+    return (scheduler_choice(settings.scheduler).frees_paused_places,
+            settings.budget.grace_period, rung_metric_keys(settings.rung_metric)[0])

@@ -6,7 +6,7 @@
 * ``learning_curves.png`` -- validation overall against examples seen, one line per
   trial (dashed = stopped early by ASHA, red x = error, a band of ± one standard error);
 * ``importances.png`` / ``importances.json`` -- the hyperparameter importances that
-  :mod:`mtbert.tune.importances` computes with Optuna;
+  :mod:`mtbert.tune.results.importances` computes with Optuna;
 * ``sst_confusion.png`` -- a confusion matrix plot (per trial and for the ensemble).
 """
 
@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from mtbert.tune.importances import param_importances
-from mtbert.tune.records import OBJECTIVE, TrialRecord, TrialStatus
+from mtbert.tune.results.importances import param_importances
+from mtbert.tune.trial.objective import OBJECTIVE
+from mtbert.tune.results.records import TrialRecord, TrialStatus
 
 
 def _plt():

@@ -25,8 +25,8 @@ from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandForBOHB,
                                  PopulationBasedTraining, TrialScheduler)
 from ray.tune.schedulers.pb2 import PB2
 
-from mtbert.tune.budgets import Budget
-from mtbert.tune.records import MODE
+from mtbert.tune.search.budgets import Budget
+from mtbert.tune.trial.objective import MODE
 
 #: the time attribute Hyperband reads (examples seen / grace period)
 RUNGS_SEEN = "rungs_seen"
@@ -115,7 +115,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     On ``--resume`` its records start afresh (Ray saves no scheduler's state): the trials
     paused at a rung train on to the next one and are judged there.  Its searcher is a
-    :class:`~mtbert.tune.searchers.RunningTrialsLimiter`: a paused trial frees its place
+    :class:`~mtbert.tune.search.searchers.RunningTrialsLimiter`: a paused trial frees its place
     and a promoted one takes the place of the trial whose arrival promoted it.  Why each
     rule, with the measurements: docs/search.md, docs/bench/search_efficiency.md."""
 

@@ -23,7 +23,7 @@ from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
 from mtbert.predictions import write_predictions
 from mtbert.tasks import TASK_NAMES
 from mtbert.inference import load_checkpoint_model, predict_split
-from mtbert.tune.location import weights_at_hand
+from mtbert.tune.infra.location import weights_at_hand
 
 SPLITS = ("val", "dev", "test")
 

@@ -1,7 +1,7 @@
 """The ``ray.tune.Callback`` that mirrors every trial into its MLflow child run.
 
 Tune calls it in the driver process on each trial start / result / completion / error;
-it logs through :class:`~mtbert.tune.tracking.SearchTracker` (run ids and the last
+it logs through :class:`~mtbert.tune.infra.tracking.SearchTracker` (run ids and the last
 logged step persist in the experiment folder, so a restored search adds no runs).
 """
 
@@ -11,9 +11,10 @@ from typing import Any
 
 from ray.tune import Callback
 
-from mtbert.tune.records import RUN_KEYS, TrialStatus, error_reason, rung_reached, trial_status
-from mtbert.tune.trial_config import trial_config_values
-from mtbert.tune.tracking import SearchTracker
+from mtbert.tune.trial.objective import RUN_KEYS
+from mtbert.tune.results.records import TrialStatus, error_reason, rung_reached, trial_status
+from mtbert.tune.trial.trial_config import trial_config_values
+from mtbert.tune.infra.tracking import SearchTracker
 
 
 class MlflowTrialCallback(Callback):

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtbert.tune.location import PRUNED_FILE, STAGED_CHECKPOINTS, ExperimentLocation, filesystem
-from mtbert.tune.summary import counted
+from mtbert.tune.infra.location import (PRUNED_FILE, STAGED_CHECKPOINTS, ExperimentLocation,
+                                        filesystem)
+from mtbert.tune.results.summary import counted
 
 MODELS_DIR = "models"
 

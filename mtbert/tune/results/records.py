@@ -1,12 +1,12 @@
 """Trial records: what a search keeps of each trial once Ray is done with it.
 
-The objective, the trial statuses and the one rule that decides "stopped early" live
-here; :func:`collect_trials` turns Ray's ``ResultGrid`` into plain
+The trial statuses and the one rule that decides "stopped early" live here (the
+objective: objective.py); :func:`collect_trials` turns Ray's ``ResultGrid`` into plain
 :class:`TrialRecord` objects (no Ray objects), and :func:`ranked` orders them by their
 best validation score -- the only thing a search selects on.  Ray's results undercount
 what a trial trained: Tune drops a stopped trial's result in flight (the evaluation is
 taken from its checkpoint), and a trial trains on past the report it is stopped or
-paused at; each of its runs writes how far it trained (:class:`TrainedLog`), and
+paused at; each of its runs writes how far it trained (trained_log.py), and
 ``examples_trained`` counts every example.
 """
 
@@ -15,62 +15,14 @@ from __future__ import annotations
 import enum
 import json
 import math
-import os
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
+from mtbert.tune.trial.objective import OBJECTIVE
+from mtbert.tune.trial.trained_log import TRAINED_FOLDER
 
-#: what the search maximises: the overall score on the validation split carved from train
-OBJECTIVE = "val/overall"
-MODE = "max"
-#: what a scheduler may compare trials on at its rungs (``--rung-metric``): the objective,
-#: or its smooth stand-in (metrics.py: each accuracy replaced by the mean probability of the
-#: gold class), which separates trials before their hard accuracies leave the majority class
-RUNG_METRICS = {"overall": OBJECTIVE, "overall_soft": "val/overall_soft",
-                "classes_soft": "val/classes_soft"}
-#: the ``--rung-metric`` where it is left out, unless the scheduler's choice declares its own
-#: (choices.py: ``asha-promote``, the default scheduler, decides its first rung on the
-#: classifiers' probabilities and its later rungs on overall_soft)
-DEFAULT_RUNG_METRIC = "overall_soft"
-
-
-def rung_metric_keys(rung_metric: str) -> tuple[str, ...]:
-    """The result keys a ``--rung-metric`` compares trials on, one per decision rung from
-    the first, the last one also at any later rung: one name of :data:`RUNG_METRICS`, or
-    names joined by commas (``classes_soft,overall_soft``: the first rung on the
-    classifiers' gold-class probabilities, where STS r is still noise, the later ones on
-    overall_soft).  ConfigError naming the flag for anything else."""
-    names = [n.strip() for n in str(rung_metric).split(",")]
-    unknown = [n for n in names if n not in RUNG_METRICS]
-    if unknown:
-        raise ConfigError(f"--rung-metric {rung_metric}: unknown {', '.join(map(repr, unknown))};"
-                          f" expected one of {', '.join(RUNG_METRICS)}, or several joined by "
-                          "commas (one per rung, e.g. classes_soft,overall_soft)")
-    return tuple(RUNG_METRICS[n] for n in names)
-
-
-def rung_metric_label(rung_metric: str) -> str:
-    """What a ``--rung-metric`` decides on, as the summary and MLflow name it:
-    ``val/overall_soft``, or ``val/classes_soft,val/overall_soft`` (one per rung)."""
-    return ",".join(rung_metric_keys(rung_metric))
-
-
-#: each trial's running best of the objective, reported beside it (sorting trials by it in
-#: Ray's table or MLflow agrees with the search's ranking; the parent run has it too)
-BEST_OBJECTIVE = f"best/{OBJECTIVE}"
-#: run counters sent with every evaluation besides the ``val/*``, ``train/*`` and ``time/*``
-#: metrics (the current learning rate goes as ``train/lr``: ``lr`` is a hyperparameter)
-RUN_KEYS = ("examples_seen", "epoch", "optimizer_steps", "train_seconds", "checkpoints_written",
-            "checkpoint_bytes")
-#: the folder of a trial (beside its checkpoints) where each of its runs says how far it
-#: trained (:class:`TrainedLog`)
-TRAINED_FOLDER = "mtbert_trained"
 
 
 class TrialStatus(enum.StrEnum):
@@ -299,46 +251,6 @@ def _checkpoints(result) -> list[tuple[str, dict]]:
 
 
 # ---------------------------------------------------------------------- examples trained
-class TrainedLog:
-    """How far one run of a trial trained: a file in its trial folder,
-    ``mtbert_trained/<start ns>-<pid>.json`` = ``{"from": examples seen at its start,
-    "to": as far as it trained, "how": ..., "at": Unix time}``.
-
-    A run is a trial's training from its start, or from the checkpoint Ray restored it
-    from (a paused trial resumed, a retry after a worker failure, PBT's exploit), to
-    where it ended: it is written at the start, at each report and where the run ends --
-    its end, a stop or a pause (the stop reaches the trainer at its next step), an error,
-    its worker's exit.  So the examples a trial trained after its last report before a
-    stop or a pause, and those it trained again from an earlier checkpoint, are counted
-    (:attr:`TrialRecord.examples_trained`); a worker killed outright leaves its run's
-    last report.  ``fs``: the storage's pyarrow filesystem; ``trial_path``: the trial
-    folder on it.  The trial's checkpoint thread, its training thread and the worker's
-    exit may write it: one at a time, ``to`` never going back.  A write that fails is a
-    warning on the worker's log, never the trial's failure."""
-
-    def __init__(self, fs, trial_path: str, start: int):
-        self.fs = fs
-        self.folder = f"{str(trial_path).rstrip('/')}/{TRAINED_FOLDER}"
-        self.path = f"{self.folder}/{time.time_ns()}-{os.getpid()}.json"
-        self.start = self.to = int(start)
-        self._lock = threading.Lock()
-        self.write(self.start, "started")
-
-    def write(self, examples: int, how: str) -> None:
-        with self._lock:
-            self.to = max(self.to, int(examples))
-            doc = {"from": self.start, "to": self.to, "how": how, "at": time.time()}
-            try:
-                self.fs.create_dir(self.folder, recursive=True)
-                with self.fs.open_output_stream(self.path + ".tmp") as out:
-                    out.write(json.dumps(doc).encode("utf-8"))
-                self.fs.move(self.path + ".tmp", self.path)  # never half a file
-            except OSError as exc:
-                print(f"[mtbert] warning: could not write {self.path} ({exc}): the examples "
-                      "this run trained are counted to its last report", file=sys.stderr,
-                      flush=True)
-
-
 def _trained_runs(result) -> list[tuple[int, int]]:
     """``(from, to)`` of each run of the trial (:class:`TrainedLog`)."""
     import pyarrow.fs

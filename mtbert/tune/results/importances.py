@@ -12,7 +12,7 @@ import math
 import warnings
 from typing import Any
 
-from mtbert.tune.records import TrialRecord, TrialStatus
+from mtbert.tune.results.records import TrialRecord, TrialStatus
 
 
 def param_importances(trials: list[TrialRecord],
