@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
@@ -48,15 +49,22 @@ FUSABLE_MODEL_TYPES = ("bert",)
 
 class TrialDropout(nn.Module):
     """Inverted dropout at the rate in the buffer ``rate`` (0-d per trial under ``vmap``;
-    not saved: a fused model's skeleton holds it, a trial's own model never does)."""
+    not saved: a fused model's skeleton holds it, a trial's own model never does).  When
+    every trial has the same rate (``shared``, e.g. trials that differ in seed) it is
+    ``F.dropout`` at that number, whose kernel draws its mask faster than the rate tensor's
+    uniform numbers and comparison (on one CPU thread 0.25 of MiniLM's 2.3 s fused step
+    of two trials went to those)."""
 
-    def __init__(self):
+    def __init__(self, shared: float | None = None):
         super().__init__()
         self.register_buffer("rate", torch.zeros(()), persistent=False)
+        self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x
+        if self.shared is not None:
+            return F.dropout(x, self.shared, training=True)
         keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= self.rate
         return (x * (keep / (1.0 - self.rate))).to(x.dtype)
 
@@ -86,8 +94,9 @@ class FusedModel:
         self.n = len(models)
         self.skeleton = copy.deepcopy(models[0])
         rate_names = []
+        shared = dropouts[0] if len(set(dropouts)) == 1 else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
-            setattr(parent, name, TrialDropout())
+            setattr(parent, name, TrialDropout(shared))
         for name, module in self.skeleton.named_modules():
             if isinstance(module, TrialDropout):
                 rate_names.append(f"{name}.rate" if name else "rate")

@@ -4,13 +4,12 @@ structure trained as one stacked model train as their solo runs do."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import make_tiny_model
 
 from mtbert.data import collate, load_data
 from mtbert.fused_adamw import TrialAdamW
@@ -25,12 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
 
 
 @pytest.fixture(scope="module")
-def quiet_model_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """The tiny BERT without its attention-probability dropout (which the ``dropout``
-    setting does not govern), so that dropout 0 draws no random numbers at all."""
-    folder = tmp_path_factory.mktemp("quiet-bert")
-    for item in (p for p in Path(tiny_model_dir).iterdir() if p.is_file()):
-        shutil.copy(item, folder / item.name)
+def quiet_model_dir(tmp_path_factory) -> str:
+    """A tinier random BERT (hidden 16, one layer: the float64 runs below take 63 steps)
+    without its attention-probability dropout (which the ``dropout`` setting does not
+    govern), so that dropout 0 draws no random numbers at all."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("quiet-bert"), hidden=16, layers=1)
     config = json.loads((folder / "config.json").read_text())
     config["attention_probs_dropout_prob"] = 0.0
     (folder / "config.json").write_text(json.dumps(config))
@@ -91,7 +89,7 @@ def _largest_differences(solo, fused) -> tuple[float, float]:
 def test_fused_trials_train_as_their_solo_runs_in_float64(quiet_config, tmp_path):
     """Three trials, each its own seed, learning rate, weight decay and clipping, 63 steps
     of round-robin per-task updates: every step's loss and the final val metrics are the
-    solo runs' (measured: 3.6e-15 and 0)."""
+    solo runs' (measured: 3.6e-15 and 0; different schedules below: 8.9e-16 and 0)."""
     common = dict(epochs=3, warmup_ratio=0.1, schedule="round_robin", eval_every=10**6,
                   eval_at_start=False)  # one evaluation, at the end
     cfgs = [quiet_config(seed=0, lr=1e-3, weight_decay=0.0, **common),
@@ -107,7 +105,7 @@ def test_fused_trials_train_as_their_solo_runs_in_float64(quiet_config, tmp_path
 
 def test_fused_trials_in_float32_drift_within_1e_4(quiet_config, tmp_path):
     """In float32 the fused step's batched kernels round differently from the solo ones:
-    measured over 42 steps, losses within 2e-6 and val metrics within 2e-7."""
+    measured over 42 steps, losses within 1.4e-6 and val metrics within 4.4e-6."""
     common = dict(epochs=2, schedule="round_robin", eval_every=10**6, eval_at_start=False)
     cfgs = [quiet_config(seed=0, lr=1e-3, **common),
             quiet_config(seed=1, lr=3e-3, weight_decay=0.05, **common)]
