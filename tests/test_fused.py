@@ -117,13 +117,15 @@ def test_fused_trials_in_float32_drift_within_1e_4(quiet_config, tmp_path):
 def test_trials_of_different_task_schedules_train_as_their_solo_runs(quiet_config, tmp_path):
     """``proportional`` draws each step's task from the trial's seed: the trials train
     different tasks in the same fused step (the others' heads and moments must not move)
-    and each still trains as its solo run."""
+    and each still trains as its solo run; the second ends at half the budget and the
+    first trains on alone."""
     common = dict(schedule="proportional", eval_every=10**6, eval_at_start=False)
     cfgs = [quiet_config(seed=3, lr=2e-3, weight_decay=0.01, **common),
-            quiet_config(seed=4, lr=1e-3, weight_decay=0.01, **common)]
+            quiet_config(seed=4, lr=1e-3, weight_decay=0.01, max_examples=80, **common)]
     solo, fused = _solo_and_fused(cfgs, tmp_path, torch.float64)
     tasks = [[t for t, _ in seen] for seen, _ in solo]
     assert any(a != b for a, b in zip(*tasks))  # the schedules do differ step by step
+    assert len(tasks[1]) < len(tasks[0])
     losses, metrics = _largest_differences(solo, fused)
     assert losses <= 1e-8 and metrics <= 1e-8
 
