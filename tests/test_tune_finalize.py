@@ -142,7 +142,7 @@ def test_a_driver_killed_while_ending_a_trial_resumes_with_its_end(tmp_path):
     assert run.info.status == "FINISHED"
     assert (run.data.tags["status"], run.data.tags["examples_seen"]) == ("completed", "192")
     # what the driver's records keep for it, whatever Ray's replay of it reports
-    assert resumed.ended_before_resume() == {"t1": {"status": "completed", "examples_seen": "192"}}
+    assert resumed.ends.before_resume() == {"t1": {"status": "completed", "examples_seen": "192"}}
     resumed.end_trial("t1", "FAILED", {"status": "error", "error_reason": "replayed"})
     run = resumed.client.get_run(run_id)
     assert (run.info.status, run.data.tags["status"]) == ("FINISHED", "completed")

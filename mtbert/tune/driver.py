@@ -191,9 +191,9 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     budget, location = settings.budget, settings.location
     exp_dir = location.exp_dir
     records = collect_trials(grid, budget.max_examples, budget.rungs(),
-                             ended=set(tracker.ended_trials()),
-                             ended_before=tracker.ended_before_resume(),
-                             retries=tracker.retries())
+                             ended=set(tracker.ends.ended()),
+                             ended_before=tracker.ends.before_resume(),
+                             retries=tracker.ends.retries())
     close_unended_runs(tracker, records)
     inherited = settings.extends.joint_records() if settings.extends else []
     ranking = ranked(records + inherited)

@@ -99,11 +99,8 @@ def dashboard_url() -> str | None:
     return url if url.startswith("http") else f"http://{url}"
 
 
-#: at most this many trials share one GPU.  Measured with graphed steps on one H200
-#: (docs/bench/step_graphs.md): 1 MiniLM trial 11,518 ex/s; 2 / 4 / 8 packed together
-#: 10,403 / 10,511 / 10,508 without CUDA MPS (the GPU takes turns) and 13,866 / 17,407 /
-#: 19,167 with it; 16 with MPS 18,985.  8 is the best measured with MPS and costs nothing
-#: measurable without it, while a search runs more trials at once
+#: at most this many trials share one GPU: the most that still added throughput under CUDA
+#: MPS, at no measured cost without it (docs/bench/step_graphs.md, packed trials)
 MAX_TRIALS_PER_GPU = 8
 #: GPU memory a trial holds per model parameter: fp32 weights, gradients, AdamW's two
 #: moments and SMART's teacher copy (4 + 4 + 8 + 4 bytes)

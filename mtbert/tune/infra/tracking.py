@@ -16,7 +16,8 @@ Layout in the MLflow experiment ``mtbert/<space>``:
 :class:`~mtbert.tune.results.callback.MlflowTrialCallback` is a ``ray.tune.Callback``: Tune calls it in the driver on
 every trial start/result/completion/error.  Run ids and the last logged step of each
 trial are kept in ``<experiment dir>/mtbert_mlflow.json``, so a resumed search
-(``Tuner.restore``) reuses its runs and never logs a step twice.  With a URI
+(``Tuner.restore``) reuses its runs and never logs a step twice; which trials ended, and
+how, is read from the same file by :mod:`~mtbert.tune.infra.trial_ends` (``tracker.ends``).  With a URI
 ``--storage-path`` (``s3://...``) that file is read and written there through
 ``pyarrow.fs``, so a search resumed from another machine finds its runs too.
 """
@@ -32,6 +33,7 @@ from mtbert.atomic import atomic_write_text, check_creatable
 from mtbert.errors import MtbertError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune.infra import location as loc
+from mtbert.tune.infra.trial_ends import TrialEnds
 
 STATE_FILE = "mtbert_mlflow.json"
 #: state file -> its state, shared by every tracker of this process: on ``Tuner.restore``
@@ -213,21 +215,20 @@ class SearchTracker:
         self.log_params(run_id, params)
         return run_id
 
+    @property
+    def ends(self) -> TrialEnds:
+        """Which trials ended, and how (trial_ends.py), in this tracker's state."""
+        return TrialEnds(self.state)
+
     def note_retry(self, trial_id: str, failures: int) -> None:
         """Ray restored the trial after its worker failed, for the ``failures``-th time."""
-        child = self.state["children"][trial_id]
-        child["retries"] = int(failures)
+        child = self.ends.note_retry(trial_id, failures)
         self.save()
         self.set_tags(child["run_id"], {"retries": int(failures)})
 
-    def retries(self) -> dict[str, int]:
-        """``{trial_id: times restored after its worker failed}`` of the trials that were."""
-        return {tid: c["retries"] for tid, c in self.state.get("children", {}).items()
-                if c.get("retries")}
-
     def mark_running(self, trial_id: str) -> None:
         """A trial (re)starts: a run closed before a crash/restore is RUNNING again."""
-        if self.frozen(trial_id):
+        if self.ends.frozen(trial_id):
             return
         child = self.state["children"].get(trial_id)
         if child and child.get("status") not in (None, "RUNNING"):
@@ -238,7 +239,7 @@ class SearchTracker:
     def log_trial_result(self, trial_id: str, metrics: dict[str, float], step: int) -> bool:
         """Log one evaluation unless this step was logged before (resume); True if logged."""
         child = self.state["children"][trial_id]
-        if step <= child.get("last_step", -1) or self.frozen(trial_id):
+        if step <= child.get("last_step", -1) or self.ends.frozen(trial_id):
             return False
         self.log_metrics(child["run_id"], metrics, step)
         child["last_step"] = step
@@ -246,17 +247,13 @@ class SearchTracker:
         return True
 
     def end_trial(self, trial_id: str, status: str, tags: dict[str, Any]) -> None:
-        child = self.state["children"].get(trial_id)
-        if not child or self.frozen(trial_id):
+        """The trial's end: recorded in the state file first, then written to its run -- a
+        driver killed between the two writes resumes knowing the trial ended (it is not
+        trained again) and writes the run's end then (:meth:`freeze_ended`); in the other
+        order such a kill leaves a run tagged ended whose end a resume does not know."""
+        child = self.ends.record(trial_id, status, tags)
+        if child is None:
             return
-        # the state file first: a driver killed between the two writes resumes knowing the
-        # trial ended (it is not trained again) and writes the run's end then (freeze_ended);
-        # in the other order such a kill leaves a run tagged ended whose end a resume does
-        # not know
-        child["status"] = status
-        child["end_tags"] = {k: str(v) for k, v in tags.items()}
-        if tags.get("error_reason"):
-            child["error_reason"] = str(tags["error_reason"])
         self.save()
         self._write_end(child)
 
@@ -264,40 +261,18 @@ class SearchTracker:
         self.set_tags(child["run_id"], child["end_tags"])
         self.client.set_terminated(child["run_id"], status=child["status"])
 
-    def ended_trials(self) -> dict[str, dict[str, str]]:
-        """Trials whose end this tracker recorded: ``{trial_id: {status, error_reason}}``.
-
-        Written the moment Tune ends a trial (completed, stopped by ASHA or failed), so
-        it is more current than Ray's experiment snapshot, which a killed driver may have
-        left a step behind (a trial stopped just before the kill still RUNNING there)."""
-        return {tid: {"status": c["status"], "error_reason": c.get("error_reason", "")}
-                for tid, c in self.state.get("children", {}).items()
-                if c.get("status") in ("FINISHED", "FAILED")}
-
     def freeze_ended(self) -> dict[str, dict[str, str]]:
-        """On resume: the trials that had ended keep their runs as they are (Ray may
-        replay them from a stale snapshot: no RUNNING again, no new tags)."""
-        ended = self.ended_trials()
-        self.state["ended_before_resume"] = sorted(
-            set(self.state.get("ended_before_resume", [])) | set(ended))
+        """On resume: the trials that had ended keep their runs as they are
+        (:meth:`TrialEnds.freeze`); an end recorded whose run a kill left unwritten is
+        written now."""
+        ended = self.ends.freeze()
         self.save()
-        for trial_id in ended:  # an end recorded here whose run the kill left unwritten
+        for trial_id in ended:
             child = self.state["children"][trial_id]
             if ("end_tags" in child
                     and self.client.get_run(child["run_id"]).info.status != child["status"]):
                 self._write_end(child)
         return ended
-
-    def ended_before_resume(self) -> dict[str, dict[str, str]]:
-        """``{trial_id: the tags of its end}`` of the trials that had ended before a
-        ``--resume`` (those whose end this tracker wrote)."""
-        children = self.state.get("children", {})
-        return {tid: dict(children[tid]["end_tags"])
-                for tid in self.state.get("ended_before_resume", ())
-                if "end_tags" in children.get(tid, {})}
-
-    def frozen(self, trial_id: str) -> bool:
-        return trial_id in self.state.get("ended_before_resume", ())
 
     def ensemble_run(self, run_name: str, params: dict[str, Any]) -> str:
         """The ensemble's run with ``params`` logged.  A search finalised before (Ctrl-C,

@@ -95,7 +95,7 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
             tracker.log_artifact(r.mlflow_run_id, config_file)
             tracker.set_tags(r.mlflow_run_id, {"best_val_overall": f"{r.best_score:.6f}",
                                                "status": r.status})
-            if not tracker.frozen(r.trial_id):  # (ended before a --resume: kept as it was)
+            if not tracker.ends.frozen(r.trial_id):  # (ended before a --resume: kept as it was)
                 tracker.set_tags(r.mlflow_run_id, {"examples_seen": r.examples_seen,
                                                    "rung_reached": r.rung_reached,
                                                    "examples_trained": r.examples_trained})

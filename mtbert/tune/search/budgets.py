@@ -21,16 +21,9 @@ fixed values or ``--set`` may choose another schedule.
 whole epochs); ``max_eval_per_task`` caps the validation, dev and test rows scored
 (0 = all; with a cap the CS 224N test CSVs cover only the first rows).
 
-Sizing (2-core machine, packaged MiniLM, one thread per trial, two trials at once):
-a trial trains ~20 ex/s plain and ~11 ex/s with SMART on every task, so the machine
-does ~22-40 ex/s.  Async ASHA with rf=2 spends about ``n*g + n/2*g + n/4*2g + n/8*4g``
-plus the extra promotions of the first trials at each rung: ``small`` (n=8, g=1000)
-~18-34k examples + ~30 evaluations of 900 rows -> ~30 min (measured: 34k examples,
-32 min, smart space); ``medium`` (n=12, g=4000) at most ~120k examples -> up to
-~1.5 h (measured: 72k examples in 39 min, as async ASHA stopped 11 of the 12 at their
-first rungs behind a strong first trial).  ``smoke`` is for the tiny test model (a
-minute), or a 64-row slice of the real data with MiniLM (2-3 min); ``full`` is all the
-data (3 epochs per trial), meant for GPU nodes.
+``smoke`` is for the tiny test model, or a slice of the real data with MiniLM; ``small``
+and ``medium`` are sized for a 2-core CPU, ``full`` (all the data, 3 epochs a trial) for
+GPU nodes.  Their measured wall times: README's budget table and docs/search.md.
 """
 
 from __future__ import annotations
