@@ -291,6 +291,6 @@ def load_hf_checkpoint(problem: Problem, config: dict[str, Any], folder: str):
     model = MultitaskModel.from_config(cfg)
     path = Path(folder)
     weights = (load_file(str(path / "model.safetensors")) if (path / "model.safetensors").is_file()
-               else torch.load(path / "pytorch_model.bin", map_location="cpu"))
+               else torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True))
     model.load_state_dict(weights)
     return cfg, model.eval()
