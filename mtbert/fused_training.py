@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mtbert import graph_reuse
-from mtbert.config import TrainConfig
+from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, real_rows
 from mtbert.fused_adamw import TrialAdamW
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
@@ -45,22 +45,16 @@ from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import NonFiniteLossError, Trainer
 
-#: settings that must be equal within a group besides the step's structure: the data
-#: (one MultitaskData serves the group) and the threads of the one process
-SHARED_SETTINGS = ("data_dir", "cache_dir", "val_fraction", "split_seed", "max_train_per_task",
-                   "max_eval_per_task", "bad_row_tolerance", "threads")
-#: settings of the step's structure (graph_reuse.structure) that a fused trial holds as a
-#: tensor of its own
-PER_TRIAL = frozenset({"w_sst", "w_qqp", "w_sts"})
-
-
 def fuse_key(cfg: TrainConfig) -> tuple:
     """Trials with equal keys train as one fused model: the step's structure
-    (:func:`mtbert.graph_reuse.structure`, the fixed loss weights aside), each task's batch
-    size and :data:`SHARED_SETTINGS`."""
-    structure = tuple(item for item in graph_reuse.structure(cfg) if item[0] not in PER_TRIAL)
+    (:func:`mtbert.graph_reuse.structure`, less :data:`~mtbert.config.FUSED_PER_TRIAL`: the
+    fixed loss weights), each task's batch size and the settings that shape the data (one
+    ``MultitaskData`` serves the group: :data:`~mtbert.config.DATA_PER_SEARCH`)."""
+    structure = tuple(item for item in graph_reuse.structure(cfg)
+                      if item[0] not in FUSED_PER_TRIAL)
+    data = tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k in DATA_PER_SEARCH))
     return structure + (("task_batch_sizes", tuple(cfg.task_batch_size(t) for t in TASK_NAMES)),
-                        ("shared", tuple(getattr(cfg, k) for k in SHARED_SETTINGS)))
+                        ("data", data))
 
 
 def unfusable(cfg: TrainConfig) -> str | None:
@@ -157,8 +151,8 @@ class FusedGroup:
             # for it): torch's warning about that order does not apply
             trainer.optimizer._opt_called = True
         self.loss_weights = {
-            task: torch.tensor([getattr(t.cfg, f"w_{task}") if t.cfg.loss_weighting == "fixed"
-                                else 1.0 for t in self.trainers],
+            task: torch.tensor([getattr(t.loss_combiner, "weights", {}).get(task, 1.0)
+                                for t in self.trainers],  # FixedCombiner's, else 1
                                dtype=torch.float64, device=self.device)
             for task in TASK_NAMES}
 
