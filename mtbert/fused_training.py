@@ -45,6 +45,7 @@ from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import NonFiniteLossError, Trainer
 
+
 def fuse_key(cfg: TrainConfig) -> tuple:
     """Trials with equal keys train as one fused model: the step's structure
     (:func:`mtbert.graph_reuse.structure`, less :data:`~mtbert.config.FUSED_PER_TRIAL`: the

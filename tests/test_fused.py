@@ -88,8 +88,9 @@ def _largest_differences(solo, fused) -> tuple[float, float]:
 
 def test_fused_trials_train_as_their_solo_runs_in_float64(quiet_config, tmp_path):
     """Three trials, each its own seed, learning rate, weight decay, clipping and fixed loss
-    weights, 63 steps of round-robin per-task updates: every step's loss and the final val metrics are the
-    solo runs' (measured: 3.6e-15 and 0; different schedules below: 8.9e-16 and 0)."""
+    weights, 63 steps of round-robin per-task updates: every step's loss and the final val
+    metrics are the solo runs' (measured: 3.6e-15 and 0; different schedules below:
+    8.9e-16 and 0)."""
     common = dict(epochs=3, warmup_ratio=0.1, schedule="round_robin", eval_every=10**6,
                   eval_at_start=False, loss_weighting="fixed")  # one evaluation, at the end
     cfgs = [quiet_config(seed=0, lr=1e-3, weight_decay=0.0, **common),
@@ -189,7 +190,8 @@ def test_fused_run_folders_are_a_solo_runs(quiet_config, tmp_path):
     outs = [tmp_path / f"seed-{s}" for s in (0, 1)]
     results = train_fused(cfgs, data, outs, log=lambda _: None)
     for out, result in zip(outs, results):
-        assert json.loads((out / "metrics.json").read_text())["val/overall"] == result["val/overall"]
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["val/overall"] == result["val/overall"]
         assert len((out / "history.jsonl").read_text().splitlines()) == 2
         assert (out / "predictions" / "sst-test-output.csv").is_file()
         cfg, model = load_checkpoint_model(out / "checkpoint")
