@@ -58,8 +58,8 @@ def test_each_method_trains_and_its_pick_is_scored_on_the_same_dev_rows(peer_run
     assert project["val"] == pytest.approx(project["summary_val"], abs=1e-6)
     assert project["dev"] == pytest.approx(project["summary_dev"], abs=1e-6)
     # the figures of one seed: a ratio per peer, the dev rule decided
-    runs = {m: {0: {**r, "wall_s": 10.0 if m == "project" else 40.0}}
-            for m, r in peer_runs.items()}
+    runs = {m: {0: {**r, "wall_s": 10.0 if m == "project" else 40.0, "cpu_busy": 0.5,
+                    "machine_busy": 0.9}} for m, r in peer_runs.items()}
     row = figures(runs)["0"]
     assert row["wall_ratio"] == {"plain_ray": 0.25, "hf_ray": 0.25, "hf_optuna": 0.25}
     assert row["best_peer_dev"] in ("plain_ray", "hf_ray", "hf_optuna")
