@@ -120,7 +120,7 @@ CASES = [
          args=["--budget", "huge"]),
     Case("cli_unreachable_address", ["--address 127.0.0.1:{port}: no Ray cluster reachable",
                                      "Connection refused"],
-         args=["--address", "127.0.0.1:{port}"], max_seconds=30),
+         args=["--address", "127.0.0.1:{port}"], max_seconds=120),
     Case("cli_malformed_address", ["--address head-node: expected auto, HOST:PORT"],
          args=["--address", "head-node"]),
     Case("cli_missing_model", ["/nonexistent/tiny-bert", "no such model folder"],
