@@ -68,7 +68,7 @@ def _solo_and_fused(cfgs, tmp_path, dtype):
         solo.append((seen, trainer.fit()))
     group = FusedGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(len(cfgs))],
                        models=[_model(cfg, dtype) for cfg in cfgs])
-    seens = [_recording(t) for t in group.trainers]
+    seens = [_recording(t) for t in group.trials.values()]
     return solo, list(zip(seens, group.fit()))
 
 

@@ -32,8 +32,8 @@ TRAINER_LAYERS = [
                "mtbert.fused_model", "mtbert.fused_adamw"]),
     ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
               "mtbert.training_state", "mtbert.checkpoint",
-              "mtbert.model_files", "mtbert.inference", "mtbert.trainer",
-              "mtbert.fused_training"]),
+              "mtbert.model_files", "mtbert.inference", "mtbert.trial_run",
+              "mtbert.step_engine", "mtbert.trainer", "mtbert.fused_training"]),
 ]
 #: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
 #: settings, the driver) are the commands layer with ``mtbert.train``
