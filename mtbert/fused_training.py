@@ -6,21 +6,33 @@ combiner, each task's batch size, the data); each group of two or more that can 
 trains as one :class:`FusedGroup`, every other configuration alone with the
 :class:`~mtbert.trainer.Trainer` (:func:`unfusable` says why, in one line).
 
-A :class:`FusedGroup` builds one :class:`~mtbert.trainer.Trainer` per trial, as its solo
-run builds it (initial weights from its seed, pre-training, batchers, schedule, LR
-schedule, optimizer), so each trial keeps everything a solo run has: its batches in its
-order, its evaluations, history, checkpoints and predictions, written by its own
-trainer into its own folder (the same files as a solo run's; a checkpoint resumes solo).
-Only the step is shared: the trials' models are stacked (:mod:`mtbert.fused_model`; each
-trial model's parameters become views of its slice) and one fused step trains them all,
-with a per-trial AdamW (:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer
-holds as views too, so a trial's checkpoint holds its own optimizer state.
+Each trial of a group is a :class:`~mtbert.trial_run.TrialRun` built as its solo run
+builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
+optimizer), so each keeps everything a solo run has: its batches in its order, its
+evaluations, history, checkpoints, reports and predictions, in its own folder (the files
+of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
+:class:`FusedStep`, the group's step engine (:mod:`mtbert.step_engine`), stacks the
+trials' models (:mod:`mtbert.fused_model`; each trial model's parameters become views of
+its slice) and trains them all in one step, with a per-trial AdamW
+(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.
 
 Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
 train different tasks in the same step: the fused step runs every task in the union;
 a trial without that task gets filler rows, its loss is multiplied by 0 and its update
-masked out where its own tasks did not reach (``TrialAdamW``).  A trial that ends (its
-budget, a non-finite loss) leaves the others going; its slices no longer step.
+masked out where its own tasks did not reach (``TrialAdamW``).
+
+Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joins
+(``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
+where it stands, to resume from).  A trial that reaches its end, diverges (a non-finite
+loss, found at its next check) or fails in its own part (its batches, evaluation, report)
+leaves alone.  The group then re-forms at its next step: each trial's weights and moments
+become its own tensors again and are stacked anew for the trials still there.  The others
+train on as without the event: the trials share no weight, so a trial's slice of the step
+(its gradient, its clipping norm, its update) depends on its own weights and batches only
+-- a NaN stays in its slice -- and only padding changes, which rounds alike
+(``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A joining trial's
+construction re-seeds torch's generator, as its solo run does; with dropout on, the
+others' masks are drawn on from there.  An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the fixed loss weights, dropout.  Not fused yet: SMART,
@@ -301,6 +313,28 @@ class FusedGroup:
         self.joined.append(trial_id)
         self._reform()
         return trial_id
+
+    def remove(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves the group now, as a scheduler stops a trial: the checkpoint it
+        is writing is finished and reported, its tensors become its own; the others go on."""
+        return self._end(trial_id, TrialEnd("stopped"))
+
+    def pause(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves with a checkpoint of where it stands (``checkpoint`` of the
+        returned record): a :class:`TrialRun` built with ``resume_from`` there trains on as
+        it would have, in this group or another, or alone.  Amid a schedule step (several
+        updates under ``update=per_task``) it first takes that step's remaining updates
+        alone (the others do not move); should it end meanwhile, the record says how."""
+        trial = self.trials[trial_id]
+        while trial.mid_schedule_step:
+            ended = self._step([trial_id])
+            if trial_id in ended:
+                return ended[trial_id]
+        try:
+            checkpoint = trial.save_checkpoint()
+        except (Exception, SystemExit) as exc:
+            return self._failed(trial_id, exc)
+        return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
 
     def _reform(self) -> None:
         """The members changed: every trial's tensors its own again; the next step builds

@@ -563,7 +563,18 @@ class TrialRun:
     # ------------------------------------------------------------------ checkpoints
     def _training_parts(self) -> TrainingParts:
         return TrainingParts(self.model, self.optimizer, self.lr_scheduler, self.loss_combiner,
-                             self.regulariser, self.batchers)
+                             self.regulariser, self.batchers,
+                             {"sums": self._loss_sums, "counts": self._loss_counts})
+
+    def save_checkpoint(self) -> Path:
+        """``out_dir/checkpoint`` of the run as it stands, written now (after the one being
+        written): a run resumed from it trains on as this one would have, its running train
+        losses included.  Taken between schedule steps (see :attr:`mid_schedule_step`)."""
+        if self._queued:
+            raise RuntimeError("a checkpoint is taken between schedule steps")
+        self.check_losses()
+        self.checkpoint_writer.wait()
+        return self._checkpoint_job(None)()
 
     def _checkpoint_job(self, metrics: dict | None) -> Callable[[], Path]:
         """Snapshot the run now; the returned function writes it (:mod:`mtbert.checkpoint`)
@@ -596,8 +607,11 @@ class TrialRun:
         """Restore a checkpoint this trainer writes at an evaluation. A damaged file is a
         :class:`DataError` naming it; a checkpoint whose model or optimizer state does not
         fit this run is a :class:`ConfigError` naming the settings that differ."""
-        counters, history = restore_checkpoint(Path(checkpoint_dir), self._training_parts(),
-                                               self.cfg, self.device, self.configured_lrs)
+        parts = self._training_parts()
+        counters, history = restore_checkpoint(Path(checkpoint_dir), parts, self.cfg,
+                                               self.device, self.configured_lrs)
+        self._loss_sums = dict(parts.running_losses["sums"])
+        self._loss_counts = dict(parts.running_losses["counts"])
         for key, value in counters.items():
             setattr(self, key, value)
         if history is not None:
