@@ -23,7 +23,9 @@ masked out where its own tasks did not reach (``TrialAdamW``).  A trial that end
 budget, a non-finite loss) leaves the others going; its slices no longer step.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
-weight decay, clipping norm, the fixed loss weights, dropout.  Not fused yet: SMART,
+weight decay, clipping norm, the fixed loss weights, dropout, SMART's λ_t, ε, μ, β, noise
+and ascent step (:mod:`mtbert.fused_smart`; each trial draws SMART's noise from its own
+random stream, on which its evaluations and checkpoints run too).  Not fused yet:
 PCGrad, uncertainty weighting, ``torch.compile`` and CUDA graphs of the fused step (the
 fused step is eager; on CUDA the trials train with ``step_mode=eager``).
 """
@@ -40,6 +42,7 @@ from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, real_rows
 from mtbert.fused_adamw import TrialAdamW
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
+from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.pretrained import load_model_config
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
@@ -60,8 +63,6 @@ def fuse_key(cfg: TrainConfig) -> tuple:
 
 def unfusable(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` trains alone (one line), or None when it can fuse."""
-    if any(cfg.smart_lambda(t) > 0 for t in TASK_NAMES):
-        return "SMART's terms are not fused yet"
     if cfg.pcgrad:
         return "PCGrad's per-task backwards are not fused"
     if cfg.loss_weighting == "uncertainty":
@@ -109,15 +110,21 @@ class FusedGroup:
         if len(keys) != 1:
             raise ValueError("a fused group's configurations must share one structure "
                              "(fuse_key)")
-        self.trainers = [Trainer(eager(cfg), data, out, model=None if models is None
-                                 else models[i], **trainer_options)
-                         for i, (cfg, out) in enumerate(zip(cfgs, out_dirs))]
+        self.trainers, self.streams = [], None
+        for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
+            self.trainers.append(Trainer(eager(cfg), data, out, model=None if models is None
+                                         else models[i], **trainer_options))
+            self.streams = self.streams or TrialStreams(self.trainers[0].device)
+            self.streams.add()  # the trial's own random stream, as its solo run's
         first = self.trainers[0]
         self.cfg, self.device, self.n = first.cfg, first.device, len(cfgs)
         self.pad_id = data.pad_id
         models = [t.model for t in self.trainers]
         self.fused = FusedModel(models, [t.cfg.dropout for t in self.trainers], self.cfg.dropout)
         self.fused.bind(models)
+        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trainers],
+                                 self.streams, self.cfg)
+                      if first.regulariser is not None else None)
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, list[bool]]] = {}
@@ -169,7 +176,7 @@ class FusedGroup:
         :meth:`Trainer.fit` does), or the error that stopped it (a non-finite loss)."""
         results: list[dict | BaseException | None] = [None] * self.n
         steps = []
-        for trainer in self.trainers:
+        for n, trainer in enumerate(self.trainers):
             trainer._start = time.perf_counter()
             trainer._examples_at_start = trainer.examples_seen
             trainer.log(f"[mtbert] device={self.device} step=fused ({self.n} trials) "
@@ -177,7 +184,8 @@ class FusedGroup:
                         f"optimizer steps≈{trainer.total_steps}")
             if (trainer.cfg.eval_at_start and trainer.evaluations == 0
                     and trainer.examples_seen == 0):
-                trainer._evaluate_and_report()
+                with self.streams.of(n):
+                    trainer._evaluate_and_report()
             steps.append(self._trial_steps(trainer))
         active = list(range(self.n))
         try:
@@ -185,10 +193,12 @@ class FusedGroup:
                 batches = {}
                 for n in list(active):
                     try:
-                        batches[n] = next(steps[n])
+                        with self.streams.of(n):  # its evaluations, checkpoints
+                            batches[n] = next(steps[n])
                     except StopIteration:
                         active.remove(n)
-                        results[n] = self.trainers[n].finish()
+                        with self.streams.of(n):
+                            results[n] = self.trainers[n].finish()
                     except NonFiniteLossError as exc:
                         active.remove(n)
                         self.trainers[n].checkpoint_writer.close()
@@ -219,13 +229,16 @@ class FusedGroup:
         stepping = torch.tensor([n in batches for n in range(self.n)], device=self.device)
         losses = {}
         total = 0.0
+        if self.smart is not None:
+            self.smart.draw_noise(batches)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.trainers[0].autocast):
             for task in tasks:
                 host = stack_batches([batches.get(n, {}).get(task) for n in range(self.n)],
                                      self.pad_id)
-                per_trial = self.fused.task_losses(task, self.trainers[0]._to_device(host),
-                                                   self.cfg)
+                host = self.trainers[0]._to_device(host)
+                per_trial = (self.smart.task_losses(task, host) if self.smart is not None
+                             else self.fused.task_losses(task, host, self.cfg))
                 if task not in self.reach:
                     reached = reached_parameters(per_trial)
                     self.reach[task] = {k for k, p in self.fused.params.items()
@@ -241,6 +254,8 @@ class FusedGroup:
         self._clip()
         lrs = self._per_group("lr")
         self.optimizer.step(lrs, self.weight_decays, masks)
+        if self.smart is not None:
+            self.smart.after_step(list(batches))
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
         torch._foreach_zero_([p.grad for p in self.fused.params.values() if p.grad is not None])
@@ -271,7 +286,8 @@ class FusedGroup:
         grads = [p.grad for p in self.fused.params.values() if p.grad is not None]
         if not grads or not any(t.cfg.max_grad_norm for t in self.trainers):
             return
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1)
+                             for g in grads])
         total = torch.linalg.vector_norm(norms, dim=0)
         coef = (self.max_norms.to(total.dtype) / (total + 1e-6)).clamp(max=1.0)
         coef = torch.where(self.max_norms > 0, coef, torch.ones_like(coef))
