@@ -23,11 +23,12 @@ masked out where its own tasks did not reach (``TrialAdamW``).  A trial that end
 budget, a non-finite loss) leaves the others going; its slices no longer step.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
-weight decay, clipping norm, the fixed loss weights, dropout, SMART's λ_t, ε, μ, β, noise
-and ascent step (:mod:`mtbert.fused_smart`; each trial draws SMART's noise from its own
-random stream, on which its evaluations and checkpoints run too).  Not fused yet:
-PCGrad, uncertainty weighting, ``torch.compile`` and CUDA graphs of the fused step (the
-fused step is eager; on CUDA the trials train with ``step_mode=eager``).
+weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
+trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
+β, noise and ascent step (:mod:`mtbert.fused_smart`; each trial draws SMART's noise from
+its own random stream, on which its evaluations and checkpoints run too).  Not fused
+yet: PCGrad, ``torch.compile`` and CUDA graphs of the fused step (the fused step is
+eager; on CUDA the trials train with ``step_mode=eager``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from mtbert import graph_reuse
 from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, real_rows
 from mtbert.fused_adamw import TrialAdamW
+from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
 from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.pretrained import load_model_config
@@ -65,8 +67,6 @@ def unfusable(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` trains alone (one line), or None when it can fuse."""
     if cfg.pcgrad:
         return "PCGrad's per-task backwards are not fused"
-    if cfg.loss_weighting == "uncertainty":
-        return "uncertainty weighting's learned task weights are not stacked yet"
     if cfg.compile != "none":
         return f"compile={cfg.compile}: torch.compile of the fused step is not built"
     if cfg.step_mode == "graphs":
@@ -125,6 +125,10 @@ class FusedGroup:
         self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trainers],
                                  self.streams, self.cfg)
                       if first.regulariser is not None else None)
+        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trainers],
+                                            self.device)
+        #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
+        self.trained = {**self.fused.params, **self.weighting.params}
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, list[bool]]] = {}
@@ -134,17 +138,22 @@ class FusedGroup:
         """The per-trial AdamW over the stacked parameters, its groups those of the trials'
         own optimizers (named alike in every trial); each trial's optimizer then holds views
         of its slices of the moments and step counts (a restored state is taken in first)."""
+        def trial_parameters(trainer):
+            return {**dict(trainer.model.named_parameters()),
+                    **combiner_parameters(trainer.loss_combiner)}
+
         first = self.trainers[0]
-        ids = {id(p): name for name, p in first.model.named_parameters()}
+        ids = {id(p): name for name, p in trial_parameters(first).items()}
         group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
                     for p in group["params"] if id(p) in ids}
-        if len(group_of) != len(self.fused.params):
-            raise ValueError("a fused trial's optimizer holds parameters outside its model")
+        if len(group_of) != len(self.trained):
+            raise ValueError("a fused trial's optimizer holds parameters outside its model "
+                             "and loss weighting")
         self.group_of = group_of
-        self.optimizer = TrialAdamW({k: self.fused.params[k] for k in group_of}, group_of)
+        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
         self.weight_decays = self._per_group("weight_decay")
         for n, trainer in enumerate(self.trainers):
-            own = dict(trainer.model.named_parameters())
+            own = trial_parameters(trainer)
             for name, state in self.optimizer.state.items():
                 held = trainer.optimizer.state.get(own[name])
                 if held:  # resumed: its solo state goes into the stacked one
@@ -152,17 +161,10 @@ class FusedGroup:
                         state[key][n].copy_(held[key])
                 trainer.optimizer.state[own[name]] = {key: state[key][n] for key in
                                                       ("step", "exp_avg", "exp_avg_sq")}
-        self.max_norms = torch.tensor([t.cfg.max_grad_norm for t in self.trainers],
-                                      dtype=torch.float64, device=self.device)
         for trainer in self.trainers:
             # its LR schedule steps while its own optimizer never does (the fused one steps
             # for it): torch's warning about that order does not apply
             trainer.optimizer._opt_called = True
-        self.loss_weights = {
-            task: torch.tensor([getattr(t.loss_combiner, "weights", {}).get(task, 1.0)
-                                for t in self.trainers],  # FixedCombiner's, else 1
-                               dtype=torch.float64, device=self.device)
-            for task in TASK_NAMES}
 
     def _per_group(self, key: str) -> list[list[float]]:
         """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
@@ -241,24 +243,24 @@ class FusedGroup:
                              else self.fused.task_losses(task, host, self.cfg))
                 if task not in self.reach:
                     reached = reached_parameters(per_trial)
-                    self.reach[task] = {k for k, p in self.fused.params.items()
-                                        if id(p) in reached}
+                    self.reach[task] = ({k for k, p in self.fused.params.items()
+                                         if id(p) in reached} | self.weighting.reached(task))
                 losses[task] = per_trial
-                weight = self.loss_weights[task] * present[task]
-                total = total + (per_trial * weight.to(per_trial.dtype)).sum()
+                weighted = self.weighting.weighted(task, per_trial)
+                total = total + (weighted * present[task].to(weighted.dtype)).sum()
             penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
             if penalty is not None:
                 total = total + (penalty * stepping.to(penalty.dtype)).sum()
         total.backward()
         masks = self._masks(batches, penalty is not None)
-        self._clip()
+        self._clip(masks)
         lrs = self._per_group("lr")
         self.optimizer.step(lrs, self.weight_decays, masks)
         if self.smart is not None:
             self.smart.after_step(list(batches))
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
-        torch._foreach_zero_([p.grad for p in self.fused.params.values() if p.grad is not None])
+        torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
         for n, trial_batches in batches.items():
             trainer = self.trainers[n]
             trainer._note_losses({t: losses[t][n] for t in trial_batches})
@@ -277,22 +279,20 @@ class FusedGroup:
             reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
                        if n in batches else set() for n in range(self.n)]
             self._mask_cache[key] = {name: [name in reached[n] for n in range(self.n)]
-                                     for name in self.fused.params}
+                                     for name in self.trained}
         return self._mask_cache[key]
 
-    def _clip(self) -> None:
-        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped), the norm
-        over all its parameters as ``torch.nn.utils.clip_grad_norm_`` takes it."""
-        grads = [p.grad for p in self.fused.params.values() if p.grad is not None]
-        if not grads or not any(t.cfg.max_grad_norm for t in self.trainers):
-            return
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1)
-                             for g in grads])
-        total = torch.linalg.vector_norm(norms, dim=0)
-        coef = (self.max_norms.to(total.dtype) / (total + 1e-6)).clamp(max=1.0)
-        coef = torch.where(self.max_norms > 0, coef, torch.ones_like(coef))
-        for g in grads:
-            g.mul_(coef.to(g.dtype).view((-1,) + (1,) * (g.ndim - 1)))
+    def _clip(self, masks: dict[str, list[bool]]) -> None:
+        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped):
+        ``torch.nn.utils.clip_grad_norm_``'s arithmetic on the gradients its step reached, in
+        its solo optimizer's order (so the same to the last bit, float32 loss weights too)."""
+        for n, trainer in enumerate(self.trainers):
+            max_norm = trainer.cfg.max_grad_norm
+            grads = [p.grad[n] for name, p in self.optimizer.params.items()
+                     if p.grad is not None and masks[name][n]] if max_norm else []
+            if grads:
+                total = torch.nn.utils.get_total_norm(grads)
+                torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 def train_fused(cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
