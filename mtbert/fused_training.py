@@ -26,9 +26,11 @@ Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its sched
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
 trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
 β, noise and ascent step (:mod:`mtbert.fused_smart`; each trial draws SMART's noise from
-its own random stream, on which its evaluations and checkpoints run too).  Not fused
-yet: PCGrad, ``torch.compile`` and CUDA graphs of the fused step (the fused step is
-eager; on CUDA the trials train with ``step_mode=eager``).
+its own random stream, on which its evaluations and checkpoints run too), and PCGrad's
+task orders, drawn from that stream (:mod:`mtbert.fused_gradients`: one backward per task,
+the projection batched over the trials).  Not fused yet: ``torch.compile`` and CUDA graphs
+of the fused step (the fused step is eager; on CUDA the trials train with
+``step_mode=eager``), and encoders other than BERT's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mtbert import graph_reuse
 from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, real_rows
 from mtbert.fused_adamw import TrialAdamW
+from mtbert.fused_gradients import FusedPCGrad
 from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
 from mtbert.fused_smart import FusedSmart, TrialStreams
@@ -65,8 +68,6 @@ def fuse_key(cfg: TrainConfig) -> tuple:
 
 def unfusable(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` trains alone (one line), or None when it can fuse."""
-    if cfg.pcgrad:
-        return "PCGrad's per-task backwards are not fused"
     if cfg.compile != "none":
         return f"compile={cfg.compile}: torch.compile of the fused step is not built"
     if cfg.step_mode == "graphs":
@@ -125,6 +126,11 @@ class FusedGroup:
         self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trainers],
                                  self.streams, self.cfg)
                       if first.regulariser is not None else None)
+        shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
+        self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
+                                    self.fused.skeleton.named_parameters() if id(p) in shared],
+                                   self.streams)
+                       if self.cfg.pcgrad else None)
         self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trainers],
                                             self.device)
         #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
@@ -229,8 +235,7 @@ class FusedGroup:
         present = {t: torch.tensor([n in batches and t in batches[n] for n in range(self.n)],
                                    device=self.device) for t in tasks}
         stepping = torch.tensor([n in batches for n in range(self.n)], device=self.device)
-        losses = {}
-        total = 0.0
+        losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
         if self.smart is not None:
             self.smart.draw_noise(batches)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
@@ -247,11 +252,13 @@ class FusedGroup:
                                          if id(p) in reached} | self.weighting.reached(task))
                 losses[task] = per_trial
                 weighted = self.weighting.weighted(task, per_trial)
-                total = total + (weighted * present[task].to(weighted.dtype)).sum()
+                summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
             penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
-            if penalty is not None:
-                total = total + (penalty * stepping.to(penalty.dtype)).sum()
-        total.backward()
+            extra = None if penalty is None else (penalty * stepping.to(penalty.dtype)).sum()
+        if self.pcgrad is not None:
+            self.pcgrad.backward(summed, extra, batches)
+        else:
+            (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
         masks = self._masks(batches, penalty is not None)
         self._clip(masks)
         lrs = self._per_group("lr")

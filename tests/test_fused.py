@@ -188,6 +188,22 @@ def test_fused_uncertainty_weighting_trains_as_the_solo_runs_in_float64(quiet_co
             assert abs(learned - float(together.loss_combiner.s[task])) <= 1e-8
 
 
+def test_fused_pcgrad_trials_train_as_their_solo_runs_in_float64(quiet_config, tmp_path):
+    """PCGrad fused: one backward per task of the trials' summed loss, the projection
+    batched over the trials, each trial's random task orders from its own stream; with an
+    L2 penalty (added unprojected) and summed updates: every task loss and the final val
+    metrics are the solo runs' (measured: 2.7e-15 and 0)."""
+    common = dict(epochs=3, schedule="round_robin", update="summed", pcgrad=True,
+                  l2_lambda=1e-3, eval_every=10**6, eval_at_start=False)
+    cfgs = [quiet_config(seed=0, lr=1e-3, **common),
+            quiet_config(seed=1, lr=3e-3, weight_decay=0.01, **common),
+            quiet_config(seed=2, lr=2e-3, max_grad_norm=0.5, **common)]
+    solo, fused = _solo_and_fused(cfgs, tmp_path, torch.float64)
+    assert all(len(seen) >= 50 for seen, _ in solo)
+    losses, metrics = _largest_differences(solo, fused)
+    assert losses <= 1e-8 and metrics <= 1e-8
+
+
 def test_trial_adamw_is_torch_adamw_on_each_slice():
     """Each trial's slice steps exactly as ``torch.optim.AdamW(fused=True)`` on that
     trial's parameter alone; a masked-out slice keeps its weights, moments and step."""
@@ -262,29 +278,32 @@ def test_fused_run_folders_are_a_solo_runs(quiet_config, tmp_path):
     assert max(steps) == resumed.optimizer_steps  # the encoder stepped every step
 
 
-def test_unfusable_configurations_train_alone_with_their_reason(quiet_config, tmp_path):
-    """Groups: one structure's configurations together; another batch size apart, and SMART
-    on (its own group); PCGrad and a non-BERT encoder each alone with a one-line reason."""
+def test_unfusable_configurations_train_alone_with_their_reason(quiet_config, tmp_path,
+                                                                 monkeypatch):
+    """Groups: one structure's configurations together; another batch size, PCGrad, SMART
+    on and uncertainty weighting each a group of its own (they fuse); a non-BERT encoder
+    alone with a one-line reason, and an unfusable group trains its trials alone."""
     other = tmp_path / "distil"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "distilbert", "dim": 32}))
     cfgs = [quiet_config(seed=0), quiet_config(seed=1, lr=3e-3), quiet_config(batch_size=4),
             quiet_config(pcgrad=True, update="summed"), quiet_config(smart_lambda_sst=1.0),
-            quiet_config(model=str(other)), quiet_config(seed=2, dropout=0.2)]
+            quiet_config(model=str(other)), quiet_config(seed=2, dropout=0.2),
+            quiet_config(loss_weighting="uncertainty"),
+            quiet_config(seed=1, lr=3e-3, loss_weighting="uncertainty")]
     groups = plan_groups(cfgs)
-    assert [members for members, _ in groups] == [[0, 1, 6], [2], [3], [4], [5]]
+    assert [members for members, _ in groups] == [[0, 1, 6], [2], [3], [4], [5], [7, 8]]
     reasons = [reason for _, reason in groups]
-    assert reasons[:2] == [None, None]
-    assert reasons[3] is None  # SMART fuses
-    assert "PCGrad" in reasons[2] and "distilbert" in reasons[4]
-    assert all("\n" not in r for r in (reasons[2], reasons[4]))
+    assert reasons[:4] + reasons[5:] == [None] * 5
+    assert "distilbert" in reasons[4] and "\n" not in reasons[4]
+    monkeypatch.setattr("mtbert.fused_training.FUSABLE_MODEL_TYPES", ("roberta",))
     logged = []
     results = train_fused([quiet_config(seed=0, max_examples=16),
-                           quiet_config(pcgrad=True, update="summed", max_examples=16)],
+                           quiet_config(seed=1, max_examples=16)],
                           load_data(cfgs[0]), [tmp_path / "a", tmp_path / "b"],
                           log=logged.append)
     assert all("val/overall" in r for r in results)
-    assert any("trains alone: PCGrad" in line for line in logged)
+    assert sum("trains alone: model_type 'bert'" in line for line in logged) == 2
 
 
 def test_cli_fuse_seeds_writes_one_folder_per_seed(quiet_model_dir, tiny_data_dir, tmp_path):
