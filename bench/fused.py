@@ -72,7 +72,7 @@ def _count(batches: dict, encoder) -> tuple[int, float]:
 
 def worker(rank: int, settings: dict, barrier, results) -> None:
     """One process: ``settings["fused"]`` trials as one FusedGroup, or one solo trainer."""
-    from mtbert.fused_training import FusedGroup
+    from mtbert.fused_training import FusedGroup, FusedStep
     from mtbert.trainer import Trainer
 
     torch.set_num_threads(settings["threads"])
@@ -82,24 +82,21 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     warmup, steps = settings["warmup"], settings["steps"]
     if settings["fused"]:
         group = FusedGroup(configs, data, outs, checkpoints=False)
-        trainers = group.trainers
-        streams = [group._trial_steps(t) for t in trainers]
-
-        def one_step() -> tuple[int, float]:
-            batches = {n: next(s) for n, s in enumerate(streams)}
-            group.step(batches)
-            counts = [_count(b, trainers[0].model.encoder) for b in batches.values()]
-            return sum(c[0] for c in counts), sum(c[1] for c in counts)
+        trainers = list(group.trials.values())
+        engine = FusedStep(trainers, group.streams)
     else:
-        trainer = Trainer(configs[0], data, outs[0], checkpoints=False)
-        trainers = [trainer]
-        stream = (step for group in trainer.schedule_steps()
-                  for step in trainer.update_steps(trainer.next_batches(group)))
+        trainers = [Trainer(configs[0], data, outs[0], checkpoints=False)]
+        engine = trainers[0].engine
 
-        def one_step() -> tuple[int, float]:
-            batches = next(stream)
-            trainer.train_batches(batches)
-            return _count(batches, trainer.model.encoder)
+    def one_step() -> tuple[int, float]:
+        """One optimizer step of every trial (its schedule's bookkeeping after it)."""
+        batches = {t: t.next_update() for t in trainers}
+        losses = engine.step(batches)
+        for t in trainers:
+            t.stepped(losses[t])
+        counts = [_count(b, trainers[0].model.encoder) for b in batches.values()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
     device = trainers[0].device
     for _ in range(warmup):
         one_step()

@@ -50,13 +50,20 @@ class TrainingParts:
     loss_combiner: torch.nn.Module
     regulariser: Any | None
     batchers: dict[str, Any]
+    #: the train losses since the last evaluation, ``{"sums": {task: float}, "counts":
+    #: {task: int}}`` (zero at an evaluation; a run paused between evaluations goes on with
+    #: them); restored in place
+    running_losses: dict[str, dict] | None = None
 
     def state(self) -> dict[str, Any]:
         """Their states (the weights apart), as ``state.pt`` holds them."""
         holders = {part: getattr(self, part) for part in PART_NAMES}  # no regulariser: None
-        return {**{part: holder.state_dict() if holder is not None else {}
-                   for part, holder in holders.items()},
-                "batchers": {t: b.state_dict() for t, b in self.batchers.items()}}
+        state = {**{part: holder.state_dict() if holder is not None else {}
+                    for part, holder in holders.items()},
+                 "batchers": {t: b.state_dict() for t, b in self.batchers.items()}}
+        if self.running_losses is not None:
+            state["running_losses"] = self.running_losses
+        return state
 
 
 @dataclass
@@ -143,6 +150,9 @@ def restore_checkpoint(checkpoint_dir: Path, parts: TrainingParts, cfg: TrainCon
         for t, batcher in parts.batchers.items():
             batcher.load_state_dict(state["batchers"][t])
         counters = {key: int(value) for key, value in state["counters"].items()}
+        if parts.running_losses is not None and "running_losses" in state:  # (older: none)
+            parts.running_losses.update({k: dict(v) for k, v in
+                                         state["running_losses"].items()})
         torch.set_rng_state(state["torch_rng"].cpu())
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])

@@ -51,8 +51,9 @@ class FusedPCGrad:
     """``backward(task_losses, extra, batches)``: leaves PCGrad's gradients on the stacked
     parameters (see the module doc); ``shared``: the stacked encoder parameters."""
 
-    def __init__(self, shared: list[torch.Tensor], streams: TrialStreams):
-        self.shared, self.streams = shared, streams
+    def __init__(self, shared: list[torch.Tensor], streams: TrialStreams, trials: list):
+        """``trials``: the keys of the trials' streams, by slot."""
+        self.shared, self.streams, self.trials = shared, streams, trials
 
     def _take(self) -> torch.Tensor:
         """The shared gradients as ``[N, D]``, then zeroed in place (a later backward
@@ -75,7 +76,7 @@ class FusedPCGrad:
             absent = [tasks.index(t) for t in tasks if t not in own]
             local = []
             if len(own) > 1:
-                with self.streams.of(n):
+                with self.streams.of(self.trials[n]):
                     local = random_orders(len(own))
             table = []
             for i, task in enumerate(tasks):

@@ -41,25 +41,29 @@ from mtbert.tasks import TASK_NAMES
 
 class TrialStreams:
     """Each fused trial's torch random stream (CPU, and the device's on CUDA), as its solo
-    run would hold the global one; :meth:`of` runs a block on trial n's stream."""
+    run would hold the global one, by trial; :meth:`of` runs a block on a trial's stream."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.states: list = []
+    def __init__(self):
+        self.states: dict = {}
 
-    def add(self) -> None:
-        """The next trial's stream starts at the global state now (after its trainer's
-        setup seeded it and drew its initial weights)."""
-        self.states.append(_rng_state(self.device))
+    def add(self, trial, device: torch.device) -> None:
+        """``trial``'s stream starts at the global state now (right after its construction
+        seeded it and drew its initial weights, or restored a checkpoint's)."""
+        self.states[trial] = _rng_state(device)
+
+    def drop(self, trial) -> None:
+        self.states.pop(trial, None)
 
     @contextlib.contextmanager
-    def of(self, n: int):
-        process = _rng_state(self.device)
-        _set_rng_state(self.states[n])
+    def of(self, trial):
+        state = self.states[trial]
+        process = _rng_state(state[2])
+        _set_rng_state(state)
         try:
             yield
         finally:
-            self.states[n] = _rng_state(self.device)
+            if trial in self.states:  # not dropped meanwhile
+                self.states[trial] = _rng_state(state[2])
             _set_rng_state(process)
 
 
@@ -76,8 +80,9 @@ class FusedSmart:
     ``draw_noise`` before a step's forwards, ``after_step`` after its update."""
 
     def __init__(self, fused: FusedModel, regularisers: list[SmartRegulariser],
-                 streams: TrialStreams, cfg):
-        self.fused, self.streams, self.cfg = fused, streams, cfg
+                 streams: TrialStreams, trials: list, cfg):
+        """``trials``: the keys of the trials' streams, by slot."""
+        self.fused, self.streams, self.trials, self.cfg = fused, streams, trials, cfg
         settings = [r.settings for r in regularisers]
         device = next(iter(fused.params.values())).device
 
@@ -114,7 +119,7 @@ class FusedSmart:
             return
         hidden, dtype = self.embedding.shape[-1], self.embedding.dtype
         for n, trial_batches in batches.items():
-            with self.streams.of(n):
+            with self.streams.of(self.trials[n]):
                 for task, batch in trial_batches.items():
                     if not self.lambda_on[task]:
                         continue

@@ -6,44 +6,60 @@ combiner, each task's batch size, the data); each group of two or more that can 
 trains as one :class:`FusedGroup`, every other configuration alone with the
 :class:`~mtbert.trainer.Trainer` (:func:`unfusable` says why, in one line).
 
-A :class:`FusedGroup` builds one :class:`~mtbert.trainer.Trainer` per trial, as its solo
-run builds it (initial weights from its seed, pre-training, batchers, schedule, LR
-schedule, optimizer), so each trial keeps everything a solo run has: its batches in its
-order, its evaluations, history, checkpoints and predictions, written by its own
-trainer into its own folder (the same files as a solo run's; a checkpoint resumes solo).
-Only the step is shared: the trials' models are stacked (:mod:`mtbert.fused_model`; each
-trial model's parameters become views of its slice) and one fused step trains them all,
-with a per-trial AdamW (:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer
-holds as views too, so a trial's checkpoint holds its own optimizer state.
+Each trial of a group is a :class:`~mtbert.trial_run.TrialRun` built as its solo run
+builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
+optimizer), so each keeps everything a solo run has: its batches in its order, its
+evaluations, history, checkpoints, reports and predictions, in its own folder (the files
+of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
+:class:`FusedStep`, the group's step engine (:mod:`mtbert.step_engine`), stacks the
+trials' models (:mod:`mtbert.fused_model`; each trial model's parameters become views of
+its slice) and trains them all in one step, with a per-trial AdamW
+(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.
 
 Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
 train different tasks in the same step: the fused step runs every task in the union;
 a trial without that task gets filler rows, its loss is multiplied by 0 and its update
-masked out where its own tasks did not reach (``TrialAdamW``).  A trial that ends (its
-budget, a non-finite loss) leaves the others going; its slices no longer step.
+masked out where its own tasks did not reach (``TrialAdamW``).
+
+Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joins
+(``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
+where it stands, to resume from).  A trial that reaches its end, diverges (a non-finite
+loss, found at its next check) or fails in its own part (its batches, evaluation, report)
+leaves alone.  The group then re-forms at its next step: each trial's weights and moments
+become its own tensors again and are stacked anew for the trials still there.  The others
+train on as without the event: the trials share no weight, so a trial's slice of the step
+(its gradient, its clipping norm, its update) depends on its own weights and batches only
+-- a NaN stays in its slice -- and only padding changes, which rounds alike
+(``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A joining trial's
+construction re-seeds torch's generator, as its solo run does; with dropout on, the
+others' masks are drawn on from there.  An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
 trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
-β, noise and ascent step (:mod:`mtbert.fused_smart`; each trial draws SMART's noise from
-its own random stream, on which its evaluations and checkpoints run too), and PCGrad's
-task orders, drawn from that stream (:mod:`mtbert.fused_gradients`: one backward per task,
-the projection batched over the trials).  Not fused yet: ``torch.compile`` and CUDA graphs
-of the fused step (the fused step is eager; on CUDA the trials train with
-``step_mode=eager``), and encoders other than BERT's.
+β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
+stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
+its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
+task, the projection batched over the trials) are drawn from it, as its solo run draws
+them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
+fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
+on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Hashable
 
 import torch
 
 from mtbert import graph_reuse
 from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
-from mtbert.data import MultitaskData, real_rows
-from mtbert.fused_adamw import TrialAdamW
+from mtbert.data import MultitaskData
+from mtbert.devices import to_device
+from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
 from mtbert.fused_gradients import FusedPCGrad
 from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
@@ -51,7 +67,8 @@ from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.pretrained import load_model_config
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
-from mtbert.trainer import NonFiniteLossError, Trainer
+from mtbert.trainer import Trainer
+from mtbert.trial_run import Batches, NonFiniteLossError, TrialRun
 
 
 def fuse_key(cfg: TrainConfig) -> tuple:
@@ -100,38 +117,33 @@ def eager(cfg: TrainConfig) -> TrainConfig:
     return cfg if cfg.step_mode == "eager" else cfg.replace(step_mode="eager")
 
 
-class FusedGroup:
-    """N trials of one structure trained as one model (see the module doc).  ``models``:
-    each trial's initial model (default: built by its trainer from its seed, as solo);
-    ``trainer_options``: passed to every :class:`Trainer` (``report``, ``checkpoints``)."""
+class FusedStep:
+    """The fused step engine (:mod:`mtbert.step_engine`) of N trials of one structure: their
+    models stacked (:class:`~mtbert.fused_model.FusedModel`; each trial model's parameters
+    become views of its slice) and one per-trial AdamW (:class:`TrialAdamW`) whose moments
+    each trial's own optimizer holds as views too, so that each trial's evaluation,
+    checkpoint and predictions read the fused state.  Built from the trials' state as it
+    is (fresh, resumed, or released by an earlier engine); :meth:`release` gives a trial
+    its own tensors back.  ``streams``: the trials' random streams."""
 
-    def __init__(self, cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
-                 models: list | None = None, **trainer_options):
-        keys = {fuse_key(c) for c in cfgs}
-        if len(keys) != 1:
-            raise ValueError("a fused group's configurations must share one structure "
-                             "(fuse_key)")
-        self.trainers, self.streams = [], None
-        for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
-            self.trainers.append(Trainer(eager(cfg), data, out, model=None if models is None
-                                         else models[i], **trainer_options))
-            self.streams = self.streams or TrialStreams(self.trainers[0].device)
-            self.streams.add()  # the trial's own random stream, as its solo run's
-        first = self.trainers[0]
-        self.cfg, self.device, self.n = first.cfg, first.device, len(cfgs)
-        self.pad_id = data.pad_id
-        models = [t.model for t in self.trainers]
-        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trainers], self.cfg.dropout)
+    def __init__(self, trials: list[TrialRun], streams: TrialStreams):
+        self.trials = list(trials)
+        self.slot = {trial: n for n, trial in enumerate(self.trials)}
+        first = self.trials[0]
+        self.cfg, self.device, self.n = first.cfg, first.device, len(self.trials)
+        self.pad_id = first.data.pad_id
+        models = [t.model for t in self.trials]
+        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
         self.fused.bind(models)
-        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trainers],
-                                 self.streams, self.cfg)
+        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
+                                 self.trials, self.cfg)
                       if first.regulariser is not None else None)
         shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
         self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
                                     self.fused.skeleton.named_parameters() if id(p) in shared],
-                                   self.streams)
+                                   streams, self.trials)
                        if self.cfg.pcgrad else None)
-        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trainers],
+        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trials],
                                             self.device)
         #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
         self.trained = {**self.fused.params, **self.weighting.params}
@@ -143,12 +155,12 @@ class FusedGroup:
     def _build_optimizer(self) -> None:
         """The per-trial AdamW over the stacked parameters, its groups those of the trials'
         own optimizers (named alike in every trial); each trial's optimizer then holds views
-        of its slices of the moments and step counts (a restored state is taken in first)."""
-        def trial_parameters(trainer):
-            return {**dict(trainer.model.named_parameters()),
-                    **combiner_parameters(trainer.loss_combiner)}
+        of its slices of the moments and step counts (the state it held is taken in first)."""
+        def trial_parameters(trial):
+            return {**dict(trial.model.named_parameters()),
+                    **combiner_parameters(trial.loss_combiner)}
 
-        first = self.trainers[0]
+        first = self.trials[0]
         ids = {id(p): name for name, p in trial_parameters(first).items()}
         group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
                     for p in group["params"] if id(p) in ids}
@@ -158,92 +170,55 @@ class FusedGroup:
         self.group_of = group_of
         self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
         self.weight_decays = self._per_group("weight_decay")
-        for n, trainer in enumerate(self.trainers):
-            own = trial_parameters(trainer)
+        for n, trial in enumerate(self.trials):
+            own = trial_parameters(trial)
             for name, state in self.optimizer.state.items():
-                held = trainer.optimizer.state.get(own[name])
-                if held:  # resumed: its solo state goes into the stacked one
-                    for key in ("step", "exp_avg", "exp_avg_sq"):
+                held = trial.optimizer.state.get(own[name])
+                if held:  # resumed, or from an earlier engine: its state goes in
+                    for key in STATE_KEYS:
                         state[key][n].copy_(held[key])
-                trainer.optimizer.state[own[name]] = {key: state[key][n] for key in
-                                                      ("step", "exp_avg", "exp_avg_sq")}
-        for trainer in self.trainers:
+                trial.optimizer.state[own[name]] = {key: state[key][n] for key in STATE_KEYS}
+        for trial in self.trials:
             # its LR schedule steps while its own optimizer never does (the fused one steps
             # for it): torch's warning about that order does not apply
-            trainer.optimizer._opt_called = True
+            trial.optimizer._opt_called = True
 
     def _per_group(self, key: str) -> list[list[float]]:
         """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
         schedule writes ``lr`` there before every step)."""
-        return [[float(t.optimizer.param_groups[g][key]) for t in self.trainers]
-                for g in range(len(self.trainers[0].optimizer.param_groups))]
+        return [[float(t.optimizer.param_groups[g][key]) for t in self.trials]
+                for g in range(len(self.trials[0].optimizer.param_groups))]
 
-    # ------------------------------------------------------------------ training
-    def fit(self) -> list[dict | BaseException]:
-        """Train every trial to its end; returns each one's final metrics (as
-        :meth:`Trainer.fit` does), or the error that stopped it (a non-finite loss)."""
-        results: list[dict | BaseException | None] = [None] * self.n
-        steps = []
-        for n, trainer in enumerate(self.trainers):
-            trainer._start = time.perf_counter()
-            trainer._examples_at_start = trainer.examples_seen
-            trainer.log(f"[mtbert] device={self.device} step=fused ({self.n} trials) "
-                        f"schedule={trainer.cfg.schedule} update={trainer.cfg.update} "
-                        f"optimizer steps≈{trainer.total_steps}")
-            if (trainer.cfg.eval_at_start and trainer.evaluations == 0
-                    and trainer.examples_seen == 0):
-                with self.streams.of(n):
-                    trainer._evaluate_and_report()
-            steps.append(self._trial_steps(trainer))
-        active = list(range(self.n))
-        try:
-            while active:
-                batches = {}
-                for n in list(active):
-                    try:
-                        with self.streams.of(n):  # its evaluations, checkpoints
-                            batches[n] = next(steps[n])
-                    except StopIteration:
-                        active.remove(n)
-                        with self.streams.of(n):
-                            results[n] = self.trainers[n].finish()
-                    except NonFiniteLossError as exc:
-                        active.remove(n)
-                        self.trainers[n].checkpoint_writer.close()
-                        results[n] = exc
-                if batches:
-                    self.step(batches)
-        finally:
-            for trainer in self.trainers:
-                trainer.checkpoint_writer.close()
-        return results
+    def release(self, trial: TrialRun) -> None:
+        """``trial``'s model weights and optimizer state become tensors of its own again
+        (copies of its slices): it leaves this engine, which steps it no more."""
+        with torch.no_grad():
+            for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
+                p.data = p.data.clone()
+        if trial.regulariser is not None and trial.regulariser.teacher is not None:
+            trial.regulariser.teacher = {k: t.clone()
+                                         for k, t in trial.regulariser.teacher.items()}
+        for p, state in trial.optimizer.state.items():
+            trial.optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
-    @staticmethod
-    def _trial_steps(trainer: Trainer):
-        """One trial's optimizer steps ({task: host batch} each), in its solo order; its
-        schedule's bookkeeping (evaluations, budget) runs between them."""
-        for group in trainer.schedule_steps():
-            batches = trainer.next_batches(group)
-            yield from trainer.update_steps(batches)
-            trainer.examples_seen += sum(real_rows(b) for b in batches.values())
-
-    def step(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
-        """One fused optimizer step: trial n (a key of ``batches``) trains on its
-        ``batches[n]`` ({task: host batch}); the others do not move."""
+    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        """One fused optimizer step: each trial in ``batches`` trains on its host batches
+        ({task: batch}); the others do not move.  Each stepping trial's task losses."""
         started = time.perf_counter()
-        tasks = [t for t in TASK_NAMES if any(t in b for b in batches.values())]
-        present = {t: torch.tensor([n in batches and t in batches[n] for n in range(self.n)],
+        stepping = {self.slot[t]: b for t, b in batches.items()}
+        tasks = [t for t in TASK_NAMES if any(t in b for b in stepping.values())]
+        present = {t: torch.tensor([n in stepping and t in stepping[n] for n in range(self.n)],
                                    device=self.device) for t in tasks}
-        stepping = torch.tensor([n in batches for n in range(self.n)], device=self.device)
+        stepping_mask = torch.tensor([n in stepping for n in range(self.n)], device=self.device)
         losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
         if self.smart is not None:
-            self.smart.draw_noise(batches)
+            self.smart.draw_noise(stepping)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.trainers[0].autocast):
+                            enabled=self.trials[0].autocast):
             for task in tasks:
-                host = stack_batches([batches.get(n, {}).get(task) for n in range(self.n)],
+                host = stack_batches([stepping.get(n, {}).get(task) for n in range(self.n)],
                                      self.pad_id)
-                host = self.trainers[0]._to_device(host)
+                host = to_device(host, self.device)
                 per_trial = (self.smart.task_losses(task, host) if self.smart is not None
                              else self.fused.task_losses(task, host, self.cfg))
                 if task not in self.reach:
@@ -254,27 +229,25 @@ class FusedGroup:
                 weighted = self.weighting.weighted(task, per_trial)
                 summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
             penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
-            extra = None if penalty is None else (penalty * stepping.to(penalty.dtype)).sum()
+            extra = (None if penalty is None
+                     else (penalty * stepping_mask.to(penalty.dtype)).sum())
         if self.pcgrad is not None:
-            self.pcgrad.backward(summed, extra, batches)
+            self.pcgrad.backward(summed, extra, stepping)
         else:
             (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
-        masks = self._masks(batches, penalty is not None)
+        masks = self._masks(stepping, penalty is not None)
         self._clip(masks)
         lrs = self._per_group("lr")
         self.optimizer.step(lrs, self.weight_decays, masks)
         if self.smart is not None:
-            self.smart.after_step(list(batches))
+            self.smart.after_step(list(stepping))
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
         torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
-        for n, trial_batches in batches.items():
-            trainer = self.trainers[n]
-            trainer._note_losses({t: losses[t][n] for t in trial_batches})
-            trainer.lr_scheduler.step()
-            trainer.optimizer_steps += 1
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - started
+        return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
+                for trial, trial_batches in batches.items()}
 
     def _masks(self, batches: dict[int, dict], penalty: bool) -> dict[str, list[bool]]:
         """name -> N booleans: the trials whose step reached the parameter (their own
@@ -293,13 +266,183 @@ class FusedGroup:
         """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped):
         ``torch.nn.utils.clip_grad_norm_``'s arithmetic on the gradients its step reached, in
         its solo optimizer's order (so the same to the last bit, float32 loss weights too)."""
-        for n, trainer in enumerate(self.trainers):
-            max_norm = trainer.cfg.max_grad_norm
+        for n, trial in enumerate(self.trials):
+            max_norm = trial.cfg.max_grad_norm
             grads = [p.grad[n] for name, p in self.optimizer.params.items()
                      if p.grad is not None and masks[name][n]] if max_norm else []
             if grads:
                 total = torch.nn.utils.get_total_norm(grads)
                 torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+@dataclass
+class TrialEnd:
+    """How a trial left its group: ``finished`` (its final metrics), ``failed`` (the error
+    that ended it: a non-finite loss, an error in its own evaluation or report),
+    ``stopped`` (by its ``stop_requested`` or report -- ``error`` the SystemExit -- or by
+    :meth:`FusedGroup.remove`), ``paused`` (the checkpoint it resumes from)."""
+    reason: str
+    metrics: dict | None = None
+    error: BaseException | None = None
+    checkpoint: Path | None = None
+
+    @property
+    def result(self) -> dict | BaseException | "TrialEnd":
+        """What :meth:`FusedGroup.fit` returns for it: the final metrics, the error, or
+        this record (stopped or paused by the group's owner)."""
+        if self.metrics is not None:
+            return self.metrics
+        return self.error if self.error is not None else self
+
+
+class FusedGroup:
+    """Trials of one structure trained together, one :class:`FusedStep` for all (see the
+    module doc).  Step-driven: :meth:`step_once` / :meth:`run_steps` step every trial in
+    the group once; between steps a trial may join (:meth:`add`), leave (:meth:`remove`)
+    or pause (:meth:`pause`), and the group re-forms at its next step.  A trial that ends
+    -- its end reached, a non-finite loss, an error in its own bookkeeping, a stop -- leaves
+    alone; the others go on as they would without it.  :meth:`fit` runs to the end.
+
+    ``cfgs``, ``out_dirs``: trials built here (ids 0, 1, ...), each as its solo run builds
+    it; ``models``: their initial models (default: built from their seeds);
+    ``trial_options``: passed to every :class:`TrialRun` (``report``, ``checkpoints``)."""
+
+    def __init__(self, cfgs: list[TrainConfig] = (), data: MultitaskData | None = None,
+                 out_dirs: list[str | Path] = (), models: list | None = None,
+                 **trial_options):
+        self.trials: dict[Hashable, TrialRun] = {}  # the trials in the group, in join order
+        self.ended: dict[Hashable, TrialEnd] = {}
+        self.joined: list[Hashable] = []            # every id the group has held, in order
+        self.key: tuple | None = None
+        self.engine: FusedStep | None = None        # None: (re-)formed at the next step
+        self._started: set[Hashable] = set()
+        self.streams = TrialStreams()  # each trial's random stream
+        for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
+            self.add(TrialRun(eager(cfg), data, out, model=None if models is None
+                              else models[i], **trial_options))
+
+    def add(self, trial: TrialRun, trial_id: Hashable | None = None) -> Hashable:
+        """``trial`` (fresh or resumed, built with ``step_mode`` eager) joins at the next
+        step; returns its id (default: the next integer).  Add it right after building it:
+        its random stream starts from torch's state then, as its solo run's does."""
+        key = fuse_key(trial.cfg)
+        if self.key is not None and key != self.key:
+            raise ValueError("a fused group's trials must share one structure (fuse_key)")
+        trial_id = len(self.joined) if trial_id is None else trial_id
+        if trial_id in self.trials or trial_id in self.ended:
+            raise ValueError(f"trial id {trial_id!r} is taken in this group")
+        self.key = key
+        self.trials[trial_id] = trial
+        self.streams.add(trial, trial.device)
+        self.joined.append(trial_id)
+        self._reform()
+        return trial_id
+
+    def remove(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves the group now, as a scheduler stops a trial: the checkpoint it
+        is writing is finished and reported, its tensors become its own; the others go on."""
+        return self._end(trial_id, TrialEnd("stopped"))
+
+    def pause(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves with a checkpoint of where it stands (``checkpoint`` of the
+        returned record): a :class:`TrialRun` built with ``resume_from`` there trains on as
+        it would have, in this group or another, or alone.  Amid a schedule step (several
+        updates under ``update=per_task``) it first takes that step's remaining updates
+        alone (the others do not move); should it end meanwhile, the record says how."""
+        trial = self.trials[trial_id]
+        while trial.mid_schedule_step:
+            ended = self._step([trial_id])
+            if trial_id in ended:
+                return ended[trial_id]
+        try:
+            with self.streams.of(trial):
+                checkpoint = trial.save_checkpoint()
+        except (Exception, SystemExit) as exc:
+            return self._failed(trial_id, exc)
+        return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
+
+    def _reform(self) -> None:
+        """The members changed: every trial's tensors its own again; the next step builds
+        the engine of the trials then in the group."""
+        if self.engine is not None:
+            for trial in self.engine.trials:
+                self.engine.release(trial)
+            self.engine = None
+
+    def _end(self, trial_id: Hashable, end: TrialEnd) -> TrialEnd:
+        trial = self.trials.pop(trial_id)
+        if end.reason != "finished":
+            trial.close()
+        self.streams.drop(trial)
+        self._reform()
+        self.ended[trial_id] = end
+        return end
+
+    def _failed(self, trial_id: Hashable, exc: BaseException) -> TrialEnd:
+        reason = "stopped" if isinstance(exc, SystemExit) else "failed"
+        return self._end(trial_id, TrialEnd(reason, error=exc))
+
+    # ------------------------------------------------------------------ training
+    def step_once(self) -> dict[Hashable, TrialEnd]:
+        """One fused step of every trial in the group (after a trial's last step, its
+        finish: final evaluation, predictions, ``metrics.json``); the trials that ended in
+        it, also in :attr:`ended`."""
+        return self._step(list(self.trials))
+
+    def run_steps(self, steps: int) -> dict[Hashable, TrialEnd]:
+        """Up to ``steps`` fused steps (fewer once no trial is left); the trials that ended."""
+        ended: dict[Hashable, TrialEnd] = {}
+        for _ in range(steps):
+            if not self.trials:
+                break
+            ended.update(self.step_once())
+        return ended
+
+    def fit(self) -> list[dict | BaseException | TrialEnd]:
+        """Train every trial to its end; each one's :attr:`TrialEnd.result` in join order:
+        its final metrics (as :meth:`Trainer.fit` returns them) or the error that ended it."""
+        try:
+            while self.trials:
+                self.step_once()
+        finally:
+            for trial in self.trials.values():
+                trial.close()
+        return [self.ended[i].result for i in self.joined if i in self.ended]
+
+    def _step(self, ids: list[Hashable]) -> dict[Hashable, TrialEnd]:
+        """One fused step of the trials ``ids``; an error in one trial's own part (its
+        batches, bookkeeping, evaluation, report) ends that trial alone, an error in the
+        shared step is raised."""
+        ended: dict[Hashable, TrialEnd] = {}
+        batches: dict[Hashable, Batches] = {}
+        for trial_id in ids:
+            trial = self.trials[trial_id]
+            try:
+                with self.streams.of(trial):  # its own part on its own random stream
+                    if trial_id not in self._started:
+                        self._started.add(trial_id)
+                        trial.start(f"fused ({len(self.trials)} trials)")
+                    update = trial.next_update()
+                    metrics = trial.finish() if update is None else None
+                if update is None:
+                    ended[trial_id] = self._end(trial_id, TrialEnd("finished", metrics=metrics))
+                else:
+                    batches[trial_id] = update
+            except (Exception, SystemExit) as exc:
+                ended[trial_id] = self._failed(trial_id, exc)
+        if not batches:
+            return ended
+        if self.engine is None:
+            self.engine = FusedStep(list(self.trials.values()), self.streams)
+        losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
+        for trial_id in batches:
+            trial = self.trials[trial_id]
+            try:
+                with self.streams.of(trial):
+                    trial.stepped(losses[trial])
+            except (Exception, SystemExit) as exc:
+                ended[trial_id] = self._failed(trial_id, exc)
+        return ended
 
 
 def train_fused(cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mtbert.losses import batch_loss
+from mtbert.step_engine import task_loss_terms
 
 #: eager steps of a graph's structure before it is captured
 WARMUP_STEPS = 2
@@ -206,7 +206,13 @@ class StepGraphs:
         self.last_batch.clear()
 
     # ------------------------------------------------------------------ a step
-    def step(self, batches: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def step(self, batches: dict) -> dict:
+        """The engine's step (:mod:`mtbert.step_engine`): ``{trial: host batches}`` of its
+        one trial -> ``{trial: {task: loss}}``."""
+        (trial, host), = batches.items()
+        return {trial: self.train(host)}
+
+    def train(self, batches: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One optimizer step on host ``batches`` ({task: batch}); returns each task's loss
         (device tensors of their own)."""
         with self._side_stream():
@@ -276,12 +282,8 @@ class StepGraphs:
     def _task_loss(self, task: str, batch: dict[str, torch.Tensor],
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the task loss as the trainer logs it, the weighted loss to differentiate)."""
-        t = self.t
-        t.model.train()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda,
-                            cache_enabled=False):
-            loss = batch_loss(t.model, task, batch, t.cfg, t.regulariser)
-        return loss.detach().float(), t.loss_combiner.weighted({task: loss})[task]
+        loss, weighted = task_loss_terms(self.t, task, batch, cast_cache=False)
+        return loss.detach().float(), weighted
 
     def _reached(self, tasks: frozenset) -> list[nn.Parameter]:
         """The parameters a step of ``tasks`` updates: those its task losses reached in

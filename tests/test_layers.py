@@ -33,8 +33,8 @@ TRAINER_LAYERS = [
                "mtbert.fused_losses", "mtbert.fused_gradients"]),
     ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
               "mtbert.training_state", "mtbert.checkpoint",
-              "mtbert.model_files", "mtbert.inference", "mtbert.trainer",
-              "mtbert.fused_training"]),
+              "mtbert.model_files", "mtbert.inference", "mtbert.trial_run",
+              "mtbert.step_engine", "mtbert.trainer", "mtbert.fused_training"]),
 ]
 #: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
 #: settings, the driver) are the commands layer with ``mtbert.train``
