@@ -14,8 +14,10 @@ own), its per-example ‖g̃‖∞, step and clamp act on the ``[N, rows, tokens
 
 Noise.  A solo run draws ν from torch's global RNG, seeded by its trainer.  Here each
 trial has its own copy of that stream (:class:`TrialStreams`, taken right after its
-trainer is built) and draws its ν from it in its solo batch's shape and task order, so with
-dropout 0 a fused trial's noise, and so its run, is its solo run's.  The trial's own
+construction) and draws its ν from it in its solo batch's shape and task order, so with
+dropout 0 a fused trial's noise, and so its run, is its solo run's (on a CPU: a solo run on
+CUDA holds its dropout rate in a device tensor and draws masks from that stream even at
+rate 0, so there the two draw their noise at other points of it).  The trial's own
 bookkeeping (evaluations, checkpoints) also runs on its stream, so its checkpoint holds it.
 Dropout masks come from the process's RNG (:mod:`mtbert.fused_model`); the regulariser's
 forwards replay the clean forward's masks as the solo regulariser does.
