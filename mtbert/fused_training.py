@@ -25,14 +25,15 @@ Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joi
 (``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
 where it stands, to resume from).  A trial that reaches its end, diverges (a non-finite
 loss, found at its next check) or fails in its own part (its batches, evaluation, report)
-leaves alone.  The group then re-forms at its next step: each trial's weights and moments
-become its own tensors again and are stacked anew for the trials still there.  The others
+leaves alone.  A leaving trial's weights and moments become its own tensors again, and the
+group re-forms at its next step: the trials still there are stacked anew.  The others
 train on as without the event: the trials share no weight, so a trial's slice of the step
 (its gradient, its clipping norm, its update) depends on its own weights and batches only
--- a NaN stays in its slice -- and only padding changes, which rounds alike
-(``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A joining trial's
-construction re-seeds torch's generator, as its solo run does; with dropout on, the
-others' masks are drawn on from there.  An error in the shared step itself ends the group.
+-- a NaN stays in its slice -- and only the padding changes, which moves the sums by
+rounding at most (``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A
+joining trial's construction re-seeds torch's generator (as a solo run's does; a resume
+sets it to the checkpoint's): with dropout on, the others' masks are drawn on from there.
+An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
@@ -123,8 +124,9 @@ class FusedStep:
     become views of its slice) and one per-trial AdamW (:class:`TrialAdamW`) whose moments
     each trial's own optimizer holds as views too, so that each trial's evaluation,
     checkpoint and predictions read the fused state.  Built from the trials' state as it
-    is (fresh, resumed, or released by an earlier engine); :meth:`release` gives a trial
-    its own tensors back.  ``streams``: the trials' random streams."""
+    is (fresh, resumed, or views of an earlier engine's, which this one copies);
+    :func:`own_tensors` gives a leaving trial its own tensors back.  ``streams``: the
+    trials' random streams."""
 
     def __init__(self, trials: list[TrialRun], streams: TrialStreams):
         self.trials = list(trials)
@@ -188,18 +190,6 @@ class FusedStep:
         schedule writes ``lr`` there before every step)."""
         return [[float(t.optimizer.param_groups[g][key]) for t in self.trials]
                 for g in range(len(self.trials[0].optimizer.param_groups))]
-
-    def release(self, trial: TrialRun) -> None:
-        """``trial``'s model weights and optimizer state become tensors of its own again
-        (copies of its slices): it leaves this engine, which steps it no more."""
-        with torch.no_grad():
-            for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
-                p.data = p.data.clone()
-        if trial.regulariser is not None and trial.regulariser.teacher is not None:
-            trial.regulariser.teacher = {k: t.clone()
-                                         for k, t in trial.regulariser.teacher.items()}
-        for p, state in trial.optimizer.state.items():
-            trial.optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
     def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
         """One fused optimizer step: each trial in ``batches`` trains on its host batches
@@ -273,6 +263,19 @@ class FusedStep:
             if grads:
                 total = torch.nn.utils.get_total_norm(grads)
                 torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def own_tensors(trial: TrialRun) -> None:
+    """``trial``'s model weights, loss weights, SMART teacher and optimizer state become
+    tensors of its own (copies of its slices of a :class:`FusedStep`'s), which no engine
+    steps."""
+    with torch.no_grad():
+        for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
+            p.data = p.data.clone()
+    if trial.regulariser is not None and trial.regulariser.teacher is not None:
+        trial.regulariser.teacher = {k: t.clone() for k, t in trial.regulariser.teacher.items()}
+    for p, state in trial.optimizer.state.items():
+        trial.optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
 
 @dataclass
@@ -362,18 +365,16 @@ class FusedGroup:
         return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
 
     def _reform(self) -> None:
-        """The members changed: every trial's tensors its own again; the next step builds
-        the engine of the trials then in the group."""
-        if self.engine is not None:
-            for trial in self.engine.trials:
-                self.engine.release(trial)
-            self.engine = None
+        """The members changed: the next step builds the engine of the trials then in the
+        group (stacked anew from their slices of this one)."""
+        self.engine = None
 
     def _end(self, trial_id: Hashable, end: TrialEnd) -> TrialEnd:
         trial = self.trials.pop(trial_id)
         if end.reason != "finished":
             trial.close()
         self.streams.drop(trial)
+        own_tensors(trial)
         self._reform()
         self.ended[trial_id] = end
         return end
