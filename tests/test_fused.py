@@ -435,10 +435,11 @@ def test_a_trial_joins_a_running_group(event_runs, tmp_path):
 
 
 def test_a_diverged_trial_and_a_failing_one_end_alone(event_runs, tmp_path):
-    """B's QQP head diverged (an infinite bias) and C's report callback fails at its first
-    report: each ends alone with its error (B at its first check, after 3 steps; C at the
-    end of the schedule step after its report, 12 steps), C's steps until then its solo
-    run's; A trains as its solo run (float64, within 1e-8; measured: 1.1e-16, 1.8e-15)."""
+    """B's QQP head diverged (an infinite bias), C's report callback fails at its first
+    report and D's own stop check says stop after 5 schedule steps: each ends alone (B at
+    its first check, after 3 steps; C at the end of the schedule step after its report, 12
+    steps; D after 15), C's steps until then its solo run's; A trains as its solo run
+    (float64, within 1e-8; measured: 1.1e-16, 1.8e-15)."""
     cfgs, data, solo, _ = event_runs
     trials = [_trial(cfgs[0], data, tmp_path / "a"), _trial(cfgs[1], data, tmp_path / "b")]
     with torch.no_grad():
@@ -448,12 +449,17 @@ def test_a_diverged_trial_and_a_failing_one_end_alone(event_runs, tmp_path):
         raise RuntimeError("the report could not be sent")
     trials.append(_trial(cfgs[2].replace(eval_every=48), data, tmp_path / "c",
                          report=failing_report))
+    checks = iter(range(1, 100))
+    trials.append(_trial(cfgs[0].replace(seed=3), data, tmp_path / "d",
+                         stop_requested=lambda: next(checks) >= 5))
     group = FusedGroup()
     seens = [_recording(t) for t in trials]
     for trial in trials:
         group.add(trial)
     results = group.fit()
-    assert [group.ended[i].reason for i in range(3)] == ["finished", "failed", "failed"]
+    assert [group.ended[i].reason for i in range(4)] == ["finished", "failed", "failed",
+                                                         "stopped"]
+    assert isinstance(results[3], SystemExit) and len(seens[3]) == 15
     assert isinstance(results[1], NonFiniteLossError)
     assert "qqp loss became" in str(results[1])
     assert isinstance(results[2], RuntimeError) and "could not be sent" in str(results[2])
