@@ -16,14 +16,16 @@ Two measurements (``--mode``):
   peak resident set of the process(es) on a CPU (summed over the unfused ones), the peak
   allocated CUDA memory on a GPU; CPU s / 1000 ex: the processes' CPU time (host threads)
   per 1,000 examples, which a machine shared with other work disturbs less than ex/s.
-  SMART is not fused yet, so there is no SMART row.
+  ``--smart``: #47's SMART workload instead, batch 16 (unless ``--batch-size``), every
+  task's λ_t = 1 and μ = 1 (``--set`` overrides), fused (:mod:`mtbert.fused_smart`) and
+  unfused; its MFU counts the plain forward and backward only, not SMART's extra ones.
 * ``layer``: one BERT layer of the model alone, forward + backward on ``[N, batch, length]``
   hidden states: the N trials' layers fused (stacked weights, ``vmap``) against the N
   layers called one after another in one process -- what the fused design can reach
   where nothing else (data, optimizer, heads) is in the way.
 
   python -m bench.fused [--device cpu|cuda] [--trials 1,2,4,8,16,32] [--threads 2]
-         [--steps 6] [--warmup 2] [--batch-size 32] [--set KEY=VALUE] [--json OUT]
+         [--steps 6] [--warmup 2] [--batch-size 32] [--smart] [--set KEY=VALUE] [--json OUT]
   python -m bench.fused --mode layer [--device cuda] [--trials 1,2,4,8,16,32] [--length 64]
 
 MFU (CUDA): useful model FLOPs per second (6·N·T for the encoder's dense weights plus
@@ -51,6 +53,11 @@ from mtbert.config import TrainConfig, parse_set_args
 from mtbert.data import load_data, real_rows
 
 
+#: ``--smart``: the SMART terms #47's SMART b16 workload trains with
+SMART_WORKLOAD = {"smart_lambda_sst": 1.0, "smart_lambda_qqp": 1.0, "smart_lambda_sts": 1.0,
+                  "smart_mu": 1.0}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """The process's peak: allocated CUDA memory on a GPU, resident set on a CPU."""
     if device.type == "cuda":
@@ -74,8 +81,9 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     outs = [Path(tempfile.mkdtemp(prefix=f"mtbert-fused-bench-{rank}-")) for _ in configs]
     warmup, steps = settings["warmup"], settings["steps"]
     if settings["fused"]:
-        trainers = list(FusedGroup(configs, data, outs, checkpoints=False).trials.values())
-        engine = FusedStep(trainers)
+        group = FusedGroup(configs, data, outs, checkpoints=False)
+        trainers = list(group.trials.values())
+        engine = FusedStep(trainers, group.streams)
     else:
         trainers = [Trainer(configs[0], data, outs[0], checkpoints=False)]
         engine = trainers[0].engine
@@ -132,11 +140,13 @@ def run_processes(settings: list[dict]) -> dict:
 
 
 def bench_train(args, peak: float) -> list[dict]:
+    smart = SMART_WORKLOAD if args.smart else {}
     base = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
                 device=args.device, progress=False, eval_dev=False, eval_every=10 ** 9,
-                schedule="round_robin", **parse_set_args(args.set))
+                schedule="round_robin", **{**smart, **parse_set_args(args.set)})
     TrainConfig.from_dict(base)  # bad values fail here, before any process starts
     out = []
+    print(f"workload: {'SMART' if args.smart else 'plain'}, batch {args.batch_size}")
     print(f"{'N':>3} {'engine':>8} {'step':>6} {'ex/s':>9} {'ms/step':>9} {'memory MB':>10}"
           f"{'CPU s/1000 ex':>14}{' MFU':>7}")
     for n in args.trials:
@@ -237,7 +247,9 @@ def main() -> None:
                    help="host CPU threads: the fused process's, split among the unfused ones")
     p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="optimizer steps before the timing")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, help="default 32; 16 with --smart")
+    p.add_argument("--smart", action="store_true",
+                   help="train mode: SMART on (every λ_t = 1, μ = 1), batch 16 by default")
     p.add_argument("--length", type=int, default=64, help="layer mode: sequence length")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="train mode: another TrainConfig field (repeatable)")
@@ -247,6 +259,7 @@ def main() -> None:
         args.trials = [int(n) for n in args.trials.split(",")]
     except ValueError:
         p.error(f"--trials {args.trials!r}: expected integers separated by commas")
+    args.batch_size = args.batch_size or (16 if args.smart else 32)
     if min(args.trials) < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--trials and --steps must be >= 1, --warmup >= 0")
     if args.mode == "train" and not Path(args.data_dir, "ids-sst-train.csv").is_file():

@@ -200,10 +200,10 @@ class TrainConfig:
         "~0.05 in MiniLM; 1e-3 = one ascent step of the default size)", low=0.0, low_open=True,
         in_step_graphs=False))
     smart_noise: float = field(default=1e-5, metadata=_meta(
-        "variance of SMART's initial noise", low=0.0, low_open=True))
+        "variance of SMART's initial noise", low=0.0, low_open=True, fused_per_trial=True))
     smart_steps: int = field(default=1, metadata=_meta("SMART ascent steps", low=1, high=10))
     smart_step_size: float = field(default=1e-3, metadata=_meta(
-        "SMART ascent step size", low=0.0, low_open=True))
+        "SMART ascent step size", low=0.0, low_open=True, fused_per_trial=True))
     smart_mu: float = field(default=0.0, metadata=_meta(
         "Bregman proximal-point weight (0 = off)", low=0.0, in_step_graphs=False))
     smart_beta: float = field(default=0.99, metadata=_meta(

@@ -15,7 +15,8 @@ slice (the trials share no weight, so no gradient crosses between slices).
 Per-trial values read as tensors with the trial axis: the dropout rate
 (:class:`TrialDropout`, a buffer of each ``dropout``-governed dropout) here; the learning
 rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
-:mod:`mtbert.fused_adamw`.
+:mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
+through :meth:`FusedModel.map`).
 
 Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
 trial's slice of the mask is drawn apart, from the process's one generator), so trials
@@ -69,15 +70,31 @@ class TrialDropout(nn.Module):
         return (x * (keep / (1.0 - self.rate))).to(x.dtype)
 
 
+class _EmbedInputs(nn.Module):
+    """``model.embed_inputs`` as a module's forward (what ``functional_call`` calls)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, task: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.model.embed_inputs(task, batch)
+
+
 class _Bound:
     """The skeleton called with one trial's weights (inside ``vmap``): ``model(task, batch)``
-    as :func:`mtbert.losses.batch_loss` calls a model."""
+    as :func:`mtbert.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
 
     def __init__(self, skeleton: nn.Module, tensors: dict[str, torch.Tensor]):
         self.skeleton, self.tensors = skeleton, tensors
 
-    def __call__(self, task: str, batch: dict[str, torch.Tensor]):
-        return functional_call(self.skeleton, self.tensors, (task, batch))
+    def __call__(self, task: str, batch: dict[str, torch.Tensor],
+                 embeds: dict[str, torch.Tensor] | None = None):
+        return functional_call(self.skeleton, self.tensors, (task, batch), {"embeds": embeds})
+
+    def embed_inputs(self, task: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = {f"model.{k}": v for k, v in self.tensors.items()}
+        return functional_call(_EmbedInputs(self.skeleton), tensors, (task, batch))
 
 
 class FusedModel:
@@ -122,15 +139,22 @@ class FusedModel:
             for name, p in model.named_parameters():
                 p.data = self.params[name].detach()[n]
 
+    def map(self, fn, batch: dict[str, torch.Tensor], *args,
+            tensors: dict[str, torch.Tensor] | None = None):
+        """``fn(model, trial_batch, *trial_args)`` of every trial at once, ``model`` the
+        skeleton with the trial's weights: ``vmap``-ed over the trial axis of the weights
+        (``tensors`` stand in for some of them, e.g. SMART's teacher), ``batch`` and ``args``."""
+        stacked = {**self.params, **self.buffers, **(tensors or {})}
+
+        def one(trial_tensors, trial_batch, *trial_args):
+            return fn(_Bound(self.skeleton, trial_tensors), trial_batch, *trial_args)
+
+        return vmap(one, randomness="different")(stacked, batch, *args)
+
     def task_losses(self, task: str, batch: dict[str, torch.Tensor], cfg) -> torch.Tensor:
         """Each trial's loss on its slice of the stacked ``batch`` (every tensor ``[N, ...]``):
         ``[N]``.  ``cfg``: any of the trials' (the loss settings are structure)."""
-        tensors = {**self.params, **self.buffers}
-
-        def one(trial_tensors, trial_batch):
-            return batch_loss(_Bound(self.skeleton, trial_tensors), task, trial_batch, cfg)
-
-        return vmap(one, randomness="different")(tensors, batch)
+        return self.map(lambda model, b: batch_loss(model, task, b, cfg), batch)
 
     def penalty(self, l1: float, l2: float) -> torch.Tensor | None:
         """The L1/L2 weight penalty of each trial (``[N]``), as

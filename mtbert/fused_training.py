@@ -36,9 +36,15 @@ sets it to the checkpoint's): with dropout on, the others' masks are drawn on fr
 An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
-weight decay, clipping norm, the fixed loss weights, dropout.  Not fused yet: SMART,
-PCGrad, uncertainty weighting, ``torch.compile`` and CUDA graphs of the fused step (the
-fused step is eager; on CUDA the trials train with ``step_mode=eager``).
+weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
+trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
+β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
+stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
+its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
+task, the projection batched over the trials) are drawn from it, as its solo run draws
+them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
+fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
+on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData
 from mtbert.devices import to_device
 from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
+from mtbert.fused_gradients import FusedPCGrad
+from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
+from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.pretrained import load_model_config
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
@@ -77,12 +86,6 @@ def fuse_key(cfg: TrainConfig) -> tuple:
 
 def unfusable(cfg: TrainConfig) -> str | None:
     """Why ``cfg`` trains alone (one line), or None when it can fuse."""
-    if any(cfg.smart_lambda(t) > 0 for t in TASK_NAMES):
-        return "SMART's terms are not fused yet"
-    if cfg.pcgrad:
-        return "PCGrad's per-task backwards are not fused"
-    if cfg.loss_weighting == "uncertainty":
-        return "uncertainty weighting's learned task weights are not stacked yet"
     if cfg.compile != "none":
         return f"compile={cfg.compile}: torch.compile of the fused step is not built"
     if cfg.step_mode == "graphs":
@@ -122,9 +125,10 @@ class FusedStep:
     each trial's own optimizer holds as views too, so that each trial's evaluation,
     checkpoint and predictions read the fused state.  Built from the trials' state as it
     is (fresh, resumed, or views of an earlier engine's, which this one copies);
-    :func:`own_tensors` gives a leaving trial its own tensors back."""
+    :func:`own_tensors` gives a leaving trial its own tensors back.  ``streams``: the
+    trials' random streams."""
 
-    def __init__(self, trials: list[TrialRun]):
+    def __init__(self, trials: list[TrialRun], streams: TrialStreams):
         self.trials = list(trials)
         self.slot = {trial: n for n, trial in enumerate(self.trials)}
         first = self.trials[0]
@@ -133,6 +137,18 @@ class FusedStep:
         models = [t.model for t in self.trials]
         self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
         self.fused.bind(models)
+        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
+                                 self.trials, self.cfg)
+                      if first.regulariser is not None else None)
+        shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
+        self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
+                                    self.fused.skeleton.named_parameters() if id(p) in shared],
+                                   streams, self.trials)
+                       if self.cfg.pcgrad else None)
+        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trials],
+                                            self.device)
+        #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
+        self.trained = {**self.fused.params, **self.weighting.params}
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, list[bool]]] = {}
@@ -142,34 +158,32 @@ class FusedStep:
         """The per-trial AdamW over the stacked parameters, its groups those of the trials'
         own optimizers (named alike in every trial); each trial's optimizer then holds views
         of its slices of the moments and step counts (the state it held is taken in first)."""
+        def trial_parameters(trial):
+            return {**dict(trial.model.named_parameters()),
+                    **combiner_parameters(trial.loss_combiner)}
+
         first = self.trials[0]
-        ids = {id(p): name for name, p in first.model.named_parameters()}
+        ids = {id(p): name for name, p in trial_parameters(first).items()}
         group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
                     for p in group["params"] if id(p) in ids}
-        if len(group_of) != len(self.fused.params):
-            raise ValueError("a fused trial's optimizer holds parameters outside its model")
+        if len(group_of) != len(self.trained):
+            raise ValueError("a fused trial's optimizer holds parameters outside its model "
+                             "and loss weighting")
         self.group_of = group_of
-        self.optimizer = TrialAdamW({k: self.fused.params[k] for k in group_of}, group_of)
+        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
         self.weight_decays = self._per_group("weight_decay")
         for n, trial in enumerate(self.trials):
-            own = dict(trial.model.named_parameters())
+            own = trial_parameters(trial)
             for name, state in self.optimizer.state.items():
                 held = trial.optimizer.state.get(own[name])
                 if held:  # resumed, or from an earlier engine: its state goes in
                     for key in STATE_KEYS:
                         state[key][n].copy_(held[key])
                 trial.optimizer.state[own[name]] = {key: state[key][n] for key in STATE_KEYS}
-        self.max_norms = torch.tensor([t.cfg.max_grad_norm for t in self.trials],
-                                      dtype=torch.float64, device=self.device)
         for trial in self.trials:
             # its LR schedule steps while its own optimizer never does (the fused one steps
             # for it): torch's warning about that order does not apply
             trial.optimizer._opt_called = True
-        self.loss_weights = {
-            task: torch.tensor([getattr(t.loss_combiner, "weights", {}).get(task, 1.0)
-                                for t in self.trials],  # FixedCombiner's, else 1
-                               dtype=torch.float64, device=self.device)
-            for task in TASK_NAMES}
 
     def _per_group(self, key: str) -> list[list[float]]:
         """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
@@ -186,32 +200,40 @@ class FusedStep:
         present = {t: torch.tensor([n in stepping and t in stepping[n] for n in range(self.n)],
                                    device=self.device) for t in tasks}
         stepping_mask = torch.tensor([n in stepping for n in range(self.n)], device=self.device)
-        losses = {}
-        total = 0.0
+        losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
+        if self.smart is not None:
+            self.smart.draw_noise(stepping)
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.trials[0].autocast):
             for task in tasks:
                 host = stack_batches([stepping.get(n, {}).get(task) for n in range(self.n)],
                                      self.pad_id)
-                per_trial = self.fused.task_losses(task, to_device(host, self.device), self.cfg)
+                host = to_device(host, self.device)
+                per_trial = (self.smart.task_losses(task, host) if self.smart is not None
+                             else self.fused.task_losses(task, host, self.cfg))
                 if task not in self.reach:
                     reached = reached_parameters(per_trial)
-                    self.reach[task] = {k for k, p in self.fused.params.items()
-                                        if id(p) in reached}
+                    self.reach[task] = ({k for k, p in self.fused.params.items()
+                                         if id(p) in reached} | self.weighting.reached(task))
                 losses[task] = per_trial
-                weight = self.loss_weights[task] * present[task]
-                total = total + (per_trial * weight.to(per_trial.dtype)).sum()
+                weighted = self.weighting.weighted(task, per_trial)
+                summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
             penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
-            if penalty is not None:
-                total = total + (penalty * stepping_mask.to(penalty.dtype)).sum()
-        total.backward()
+            extra = (None if penalty is None
+                     else (penalty * stepping_mask.to(penalty.dtype)).sum())
+        if self.pcgrad is not None:
+            self.pcgrad.backward(summed, extra, stepping)
+        else:
+            (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
         masks = self._masks(stepping, penalty is not None)
-        self._clip()
+        self._clip(masks)
         lrs = self._per_group("lr")
         self.optimizer.step(lrs, self.weight_decays, masks)
+        if self.smart is not None:
+            self.smart.after_step(list(stepping))
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
-        torch._foreach_zero_([p.grad for p in self.fused.params.values() if p.grad is not None])
+        torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - started
         return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
@@ -227,29 +249,31 @@ class FusedStep:
             reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
                        if n in batches else set() for n in range(self.n)]
             self._mask_cache[key] = {name: [name in reached[n] for n in range(self.n)]
-                                     for name in self.fused.params}
+                                     for name in self.trained}
         return self._mask_cache[key]
 
-    def _clip(self) -> None:
-        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped), the norm
-        over all its parameters as ``torch.nn.utils.clip_grad_norm_`` takes it."""
-        grads = [p.grad for p in self.fused.params.values() if p.grad is not None]
-        if not grads or not any(t.cfg.max_grad_norm for t in self.trials):
-            return
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
-        total = torch.linalg.vector_norm(norms, dim=0)
-        coef = (self.max_norms.to(total.dtype) / (total + 1e-6)).clamp(max=1.0)
-        coef = torch.where(self.max_norms > 0, coef, torch.ones_like(coef))
-        for g in grads:
-            g.mul_(coef.to(g.dtype).view((-1,) + (1,) * (g.ndim - 1)))
+    def _clip(self, masks: dict[str, list[bool]]) -> None:
+        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped):
+        ``torch.nn.utils.clip_grad_norm_``'s arithmetic on the gradients its step reached, in
+        its solo optimizer's order (so the same to the last bit, float32 loss weights too)."""
+        for n, trial in enumerate(self.trials):
+            max_norm = trial.cfg.max_grad_norm
+            grads = [p.grad[n] for name, p in self.optimizer.params.items()
+                     if p.grad is not None and masks[name][n]] if max_norm else []
+            if grads:
+                total = torch.nn.utils.get_total_norm(grads)
+                torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 def own_tensors(trial: TrialRun) -> None:
-    """``trial``'s model weights and optimizer state become tensors of its own (copies of
-    its slices of a :class:`FusedStep`'s), which no engine steps."""
+    """``trial``'s model weights, loss weights, SMART teacher and optimizer state become
+    tensors of its own (copies of its slices of a :class:`FusedStep`'s), which no engine
+    steps."""
     with torch.no_grad():
-        for p in trial.model.parameters():
+        for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
             p.data = p.data.clone()
+    if trial.regulariser is not None and trial.regulariser.teacher is not None:
+        trial.regulariser.teacher = {k: t.clone() for k, t in trial.regulariser.teacher.items()}
     for p, state in trial.optimizer.state.items():
         trial.optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
@@ -295,15 +319,15 @@ class FusedGroup:
         self.key: tuple | None = None
         self.engine: FusedStep | None = None        # None: (re-)formed at the next step
         self._started: set[Hashable] = set()
-        trials = [TrialRun(eager(cfg), data, out, model=None if models is None else models[i],
-                           **trial_options)
-                  for i, (cfg, out) in enumerate(zip(cfgs, out_dirs))]
-        for trial in trials:
-            self.add(trial)
+        self.streams = TrialStreams()  # each trial's random stream
+        for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
+            self.add(TrialRun(eager(cfg), data, out, model=None if models is None
+                              else models[i], **trial_options))
 
     def add(self, trial: TrialRun, trial_id: Hashable | None = None) -> Hashable:
         """``trial`` (fresh or resumed, built with ``step_mode`` eager) joins at the next
-        step; returns its id (default: the next integer)."""
+        step; returns its id (default: the next integer).  Add it right after building it:
+        its random stream starts from torch's state then, as its solo run's does."""
         key = fuse_key(trial.cfg)
         if self.key is not None and key != self.key:
             raise ValueError("a fused group's trials must share one structure (fuse_key)")
@@ -312,6 +336,7 @@ class FusedGroup:
             raise ValueError(f"trial id {trial_id!r} is taken in this group")
         self.key = key
         self.trials[trial_id] = trial
+        self.streams.add(trial, trial.device)
         self.joined.append(trial_id)
         self._reform()
         return trial_id
@@ -333,7 +358,8 @@ class FusedGroup:
             if trial_id in ended:
                 return ended[trial_id]
         try:
-            checkpoint = trial.save_checkpoint()
+            with self.streams.of(trial):
+                checkpoint = trial.save_checkpoint()
         except (Exception, SystemExit) as exc:
             return self._failed(trial_id, exc)
         return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
@@ -347,6 +373,7 @@ class FusedGroup:
         trial = self.trials.pop(trial_id)
         if end.reason != "finished":
             trial.close()
+        self.streams.drop(trial)
         own_tensors(trial)
         self._reform()
         self.ended[trial_id] = end
@@ -392,13 +419,14 @@ class FusedGroup:
         for trial_id in ids:
             trial = self.trials[trial_id]
             try:
-                if trial_id not in self._started:
-                    self._started.add(trial_id)
-                    trial.start(f"fused ({len(self.trials)} trials)")
-                update = trial.next_update()
+                with self.streams.of(trial):  # its own part on its own random stream
+                    if trial_id not in self._started:
+                        self._started.add(trial_id)
+                        trial.start(f"fused ({len(self.trials)} trials)")
+                    update = trial.next_update()
+                    metrics = trial.finish() if update is None else None
                 if update is None:
-                    ended[trial_id] = self._end(trial_id, TrialEnd("finished",
-                                                                   metrics=trial.finish()))
+                    ended[trial_id] = self._end(trial_id, TrialEnd("finished", metrics=metrics))
                 else:
                     batches[trial_id] = update
             except (Exception, SystemExit) as exc:
@@ -406,12 +434,13 @@ class FusedGroup:
         if not batches:
             return ended
         if self.engine is None:
-            self.engine = FusedStep(list(self.trials.values()))
+            self.engine = FusedStep(list(self.trials.values()), self.streams)
         losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
         for trial_id in batches:
             trial = self.trials[trial_id]
             try:
-                trial.stepped(losses[trial])
+                with self.streams.of(trial):
+                    trial.stepped(losses[trial])
             except (Exception, SystemExit) as exc:
                 ended[trial_id] = self._failed(trial_id, exc)
         return ended
