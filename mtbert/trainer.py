@@ -94,11 +94,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None, checkpoints: bool = True,
-                 stop_requested: Callable[[], bool] | None = None):
+                 stop_requested: Callable[[], bool] | None = None,
+                 threads_wanted: Callable[[], int] | None = None):
         """``checkpoints=False``: evaluations write no ``out_dir/checkpoint`` unless a
         ``report`` callback takes it (for callers that never resume, e.g. benchmarks).
         ``stop_requested``: asked after every step; True stops :meth:`fit` there with
-        ``SystemExit(0)``, as a stop from Ray's report does."""
+        ``SystemExit(0)``, as a stop from Ray's report does.  ``threads_wanted``: asked
+        after every step; the torch CPU threads to train on from there (:attr:`threads`)."""
         setup_started = time.perf_counter()
         self.cfg = cfg
         self.data = data
@@ -106,6 +108,7 @@ class Trainer:
         self.report = report
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested
+        self.threads_wanted = threads_wanted
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
         self.static_max_length, graphs = step_shapes(cfg, self.device, data.max_length)
@@ -113,6 +116,7 @@ class Trainer:
         self.eval_rows = eval_rows(cfg.eval_batch_size, self.device.type)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.threads = torch.get_num_threads()  # of this thread, the one that trains
         torch.manual_seed(cfg.seed)
         # graphs: what this worker's previous trainer of the same structure captured
         kept = graph_reuse.take(graph_reuse.structure(cfg)) if graphs and model is None else None
@@ -338,6 +342,8 @@ class Trainer:
                 self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
                 if self.stop_requested is not None and self.stop_requested():
                     raise SystemExit(0)
+                if self.threads_wanted is not None:
+                    self._train_on_threads(self.threads_wanted())
                 self._maybe_log()
                 if cfg.eval_every and self.examples_seen >= self.next_eval:
                     self.next_eval = next_eval_point(self.examples_seen, cfg.eval_every,
@@ -351,6 +357,13 @@ class Trainer:
                 self.step_in_epoch = 0
                 if not cfg.eval_every:
                     self._evaluate_and_report()
+
+    def _train_on_threads(self, threads: int) -> None:
+        if threads != self.threads:
+            self.log(f"[mtbert] {self.examples_seen} examples: {self.threads} -> {threads} "
+                     f"CPU threads")
+            torch.set_num_threads(threads)
+            self.threads = threads
 
     def finish(self) -> dict:
         """After the last step: the final evaluation (unless the last step had one), the
