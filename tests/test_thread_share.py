@@ -77,6 +77,7 @@ def test_the_hook_reads_rays_view_of_the_node(shared_ray):
         theirs = placement_group([{"CPU": 1}])
         ray.get(theirs.ready())
         assert _settled(hook.free_cpus, 0)
+        hook.every_s = 0.0  # (asks Ray at every call)
         assert hook() == 1  # no CPU free: its own
         remove_placement_group(theirs)
         assert _settled(hook.free_cpus, 1, within_s=CHECK_EVERY_S)

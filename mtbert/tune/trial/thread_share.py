@@ -48,7 +48,9 @@ def threads_for(own_cpus: float, node_cpus: float, free_cpus: float,
 class MachineLoad:
     """The CPUs that processes other than this one kept busy on this machine since the
     last reading, from ``/proc/stat`` (busy: all but idle and iowait time; steal
-    included) less this process's CPU time (None where ``/proc/stat`` is missing)."""
+    included) less this process's CPU time (None where ``/proc/stat`` is missing).  In a
+    container it may count the host's other CPUs too: the trial then grows less, never
+    more."""
 
     def __init__(self):
         self._last = self._sample()
