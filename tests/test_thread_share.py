@@ -98,7 +98,7 @@ def _settled(read, value: float, within_s: float = 5.0) -> bool:
 def test_a_trial_grows_into_the_cpu_its_ended_partner_held(shared_ray, tiny_model_dir,
                                                               tiny_data_dir, tmp_path):
     """Two 1-CPU trials of the real trainable on a 2-CPU Ray; the short one ends after
-    SHORT examples.  The long one reports 1 thread while both train and 2 once its partner
+    400 examples.  The long one reports 1 thread while both train and 2 once its partner
     has ended -- unless other processes keep the machine's cores busy, where it rightly
     stays on 1 (then skipped: a shared machine cannot show the growth); with
     ``grow_threads=False`` it keeps 1."""
