@@ -33,7 +33,8 @@ class Trainer(TrialRun):
     def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None, checkpoints: bool = True,
-                 stop_requested: Callable[[], bool] | None = None):
+                 stop_requested: Callable[[], bool] | None = None,
+                 threads_wanted: Callable[[], int] | None = None):
         """See :class:`~mtbert.trial_run.TrialRun` for the arguments."""
         setup_started = time.perf_counter()
         graphs = graphs_wanted(cfg, resolve_device(cfg.device))
@@ -41,6 +42,7 @@ class Trainer(TrialRun):
         kept = graph_reuse.take(graph_reuse.structure(cfg)) if graphs and model is None else None
         super().__init__(cfg, data, out_dir, report=report, resume_from=resume_from,
                          model=model, checkpoints=checkpoints, stop_requested=stop_requested,
+                         threads_wanted=threads_wanted,
                          graphs=graphs, kept=kept)
         self._reusable = model is None  # a caller's own model is not left for another
         self.eager_step = EagerStep(self)

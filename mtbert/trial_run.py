@@ -110,11 +110,14 @@ class TrialRun:
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None, checkpoints: bool = True,
                  stop_requested: Callable[[], bool] | None = None, graphs: bool = False,
-                 kept: graph_reuse.KeptStep | None = None):
+                 kept: graph_reuse.KeptStep | None = None,
+                 threads_wanted: Callable[[], int] | None = None):
         """``checkpoints=False``: evaluations write no ``out_dir/checkpoint`` unless a
         ``report`` callback takes it (for callers that never resume, e.g. benchmarks).
         ``stop_requested``: asked after every schedule step; True stops the run there with
-        ``SystemExit(0)``, as a stop from Ray's report does.  ``graphs``: the run's step
+        ``SystemExit(0)``, as a stop from Ray's report does.  ``threads_wanted``: asked
+        after every schedule step; the torch CPU threads to train on from there
+        (:attr:`threads`).  ``graphs``: the run's step
         will be captured (a capturable optimizer, rates in device tensors); ``kept``: the
         model, loss weighting and regulariser this worker's previous run of the same
         structure left, which this run takes with its own initial values."""
@@ -125,6 +128,7 @@ class TrialRun:
         self.report = report
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested
+        self.threads_wanted = threads_wanted
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
         self.static_max_length = static_max_length(cfg, self.device, data.max_length)
@@ -132,6 +136,7 @@ class TrialRun:
         self.eval_rows = eval_rows(cfg.eval_batch_size, self.device.type)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.threads = torch.get_num_threads()  # of this thread, the one that trains
         torch.manual_seed(cfg.seed)
         self._build_model(model or MultitaskModel.from_config(cfg), kept, graphs)
         if resume_from is None:
@@ -381,6 +386,8 @@ class TrialRun:
         self.checkpoint_writer.poll()  # a failed or stopped (Ray) checkpoint report
         if self.stop_requested is not None and self.stop_requested():
             raise SystemExit(0)
+        if self.threads_wanted is not None:
+            self._train_on_threads(self.threads_wanted())
         self._maybe_log()
         if cfg.eval_every and self.examples_seen >= self.next_eval:
             self.next_eval = next_eval_point(self.examples_seen, cfg.eval_every,
@@ -388,6 +395,13 @@ class TrialRun:
             self._evaluate_and_report()
         if not self._budget_spent() and self.step_in_epoch >= len(self._epoch_steps()):
             self._next_epoch()
+
+    def _train_on_threads(self, threads: int) -> None:
+        if threads != self.threads:
+            self.log(f"[mtbert] {self.examples_seen} examples: {self.threads} -> {threads} "
+                     f"CPU threads")
+            torch.set_num_threads(threads)
+            self.threads = threads
 
     def _next_epoch(self) -> None:
         self.epoch += 1

@@ -302,3 +302,26 @@ def test_cli_bad_data_file_exits_2_naming_file_and_line(tiny_model_dir, tiny_dat
     assert result.returncode == 2
     assert f"{data / 'sts-train.csv'}, line 6: similarity='7.5'" in result.stderr
     assert not out.exists()
+
+
+def test_the_trainer_trains_on_the_threads_its_hook_asks_for(tiny_config, tmp_path):
+    """``threads_wanted`` is asked after every step; from the step where its answer
+    changes the trainer trains (and reports, ``Trainer.threads``) on that many threads."""
+    import torch
+
+    cfg = tiny_config(epochs=1, eval_dev=False, eval_every=0, schedule="round_robin")
+    asked, seen = [], []
+
+    def two_from_the_third_step() -> int:
+        asked.append(1)
+        seen.append(torch.get_num_threads())  # what the previous step trained on
+        return 2 if len(asked) >= 3 else 1
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(cfg, load_data(cfg), tmp_path, threads_wanted=two_from_the_third_step)
+        assert trainer.threads == 1
+        trainer.fit()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(asked) == len(trainer.epoch_plan(1)) > 4  # after every schedule step
+    assert seen[:4] == [1, 1, 1, 2] and set(seen[3:]) == {2} and trainer.threads == 2

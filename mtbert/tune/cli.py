@@ -82,6 +82,27 @@ EXTEND_HELP = ("grow the finished search EXPERIMENT (in --storage-path): a new s
                "ranked with the new ones")
 
 
+def add_resource_arguments(p: argparse.ArgumentParser) -> None:
+    """What each trial runs on: CPUs, GPUs, threads, CUDA MPS."""
+    p.add_argument("--max-concurrent", type=int,
+                   help="trials at once (default: cluster CPUs / --cpus-per-trial)")
+    p.add_argument("--cpus-per-trial", type=finite_float, default=1.0,
+                   help="CPUs per trial (default 1)")
+    p.add_argument("--gpus-per-trial", type=finite_float, default=None,
+                   help="GPUs per trial, fractions allowed; default: where the Ray cluster "
+                        "has GPUs, several trials share each (the share from the model's "
+                        "size and the GPU's memory, printed); 0 forces the CPUs")
+    p.add_argument("--trial-threads", default="grow", choices=["grow", "fixed"],
+                   help="a CPU trial's torch threads: grow (default): its CPUs, plus its "
+                        "share of its node's CPUs that no trial holds and no other process "
+                        "keeps busy, checked every 2 s (a trial whose partners ended trains "
+                        "on their cores too, and gives them back when a trial starts there); "
+                        "fixed: its CPUs. GPU trials: fixed")
+    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
+                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
+                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     budgets = "; ".join(f"{b.name}: {b.description}" for b in BUDGETS.values())
     p = DriverArgumentParser(
@@ -99,17 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trials (default: the budget's); asha-promote samples fewer once its "
                         "first rung, or its deciding rung, has promoted its share "
                         "(summary.json: counts.not_needed)")
-    p.add_argument("--max-concurrent", type=int,
-                   help="trials at once (default: cluster CPUs / --cpus-per-trial)")
-    p.add_argument("--cpus-per-trial", type=finite_float, default=1.0,
-                   help="CPUs per trial (default 1)")
-    p.add_argument("--gpus-per-trial", type=finite_float, default=None,
-                   help="GPUs per trial, fractions allowed; default: where the Ray cluster "
-                        "has GPUs, several trials share each (the share from the model's "
-                        "size and the GPU's memory, printed); 0 forces the CPUs")
-    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
-                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
-                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+    add_resource_arguments(p)
     p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
                    help=searcher_help())
     p.add_argument("--scheduler", default=None, choices=list(SCHEDULERS),

@@ -61,8 +61,11 @@ def run(settings: SearchSettings) -> int:
                               settings.max_concurrent, settings.address, settings.base["model"])
         settings = settings.with_resources(dataclasses.replace(plan, mps=mps.note))
         max_concurrent = plan.trials_at_once
+        threads = "; CPU threads grow into free CPUs" if (
+            settings.trial_threads == "grow" and not plan.gpus_per_trial) else ""
         print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
-              f"{plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}", flush=True)
+              f"{plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
+              flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
         phases["tune_started_at"] = time.time()
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
@@ -149,6 +152,7 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
               "ensemble_top_k": s.top_k, "max_failures": s.max_failures,
               "gpus_rule": s.resources.rule if s.resources else "",
               "cuda_mps": s.resources.mps if s.resources else "",
+              "trial_threads": s.trial_threads,
               "address": s.address or "local", "objective": OBJECTIVE,
               "storage": s.location.ray_storage, "extends": s.extend or ""}
     params.update({f"budget.{k}": v for k, v in budget.to_dict().items() if k != "name"})
@@ -168,7 +172,8 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     if ended:
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     trainable = tune.with_resources(
-        tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended),
+        tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended,
+                             grow_threads=settings.trial_threads == "grow"),
         {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())

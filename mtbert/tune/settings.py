@@ -70,6 +70,7 @@ class SearchSettings:
     address: str | None
     mlflow_fallback_local: bool
     mps: str = "auto"                # --mps: auto | on | off (mps.py)
+    trial_threads: str = "grow"      # --trial-threads: grow | fixed (trial/thread_share.py)
     resources: ResourcePlan | None = None   # set once Ray is up
     extend: str | None = None        # --extend: the earlier search's experiment name
     extend_trials: dict[str, Any] | None = None   # its parsed trials.json
@@ -115,7 +116,8 @@ class SearchSettings:
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
                 "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
-                "mps": self.mps, "resume": self.resume, "extend": self.extend}
+                "mps": self.mps, "trial_threads": self.trial_threads,
+                "resume": self.resume, "extend": self.extend}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
@@ -206,6 +208,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
         mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
+        trial_threads=getattr(args, "trial_threads", "grow"),
         extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None)
 
 

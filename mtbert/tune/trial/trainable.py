@@ -40,6 +40,7 @@ from mtbert.errors import ConfigError
 from mtbert.metrics import scalar_metrics
 from mtbert.tune.trial import work_folders, worker_exit
 from mtbert.tune.trial.objective import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
+from mtbert.tune.trial.thread_share import thread_share
 from mtbert.tune.trial.trained_log import TrainedLog
 from mtbert.tune.trial.trial_config import trial_config
 
@@ -51,7 +52,8 @@ FAILED_MARKER = "mtbert_failed.txt"
 # and fetched the data from the object store), time/startup_s (entry to a ready Trainer:
 # imports, model load, setup), time/cpu_s (CPU seconds of the actor process since entry,
 # all threads), time/reported_at (Unix time of this report; Ray's timestamp is whole
-# seconds) and train/threads (torch's CPU threads: the CPUs Ray holds for the trial).
+# seconds) and train/threads (torch's CPU threads the trial trains with at the report: the
+# CPUs Ray holds for it, plus its share of its node's free CPUs with grow_threads).
 
 #: first in the report: Ray's progress table shows the first four metrics
 HEADLINE = (OBJECTIVE, BEST_OBJECTIVE, "val/sst_acc", "val/qqp_acc", "val/sts_corr")
@@ -80,12 +82,15 @@ class TrialFailed(RuntimeError):
 
 
 def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None = None,
-                ended: dict[str, dict[str, str]] | None = None) -> None:
+                ended: dict[str, dict[str, str]] | None = None,
+                grow_threads: bool = True) -> None:
     """Function trainable (see module docstring); ``data`` and ``base`` via with_parameters.
 
     ``ended`` (on ``--resume``): trials the driver had seen end before it died; Ray's
     experiment snapshot may still list them as running, so Tuner.restore would train
-    them again -- they return at once (or fail again with their recorded reason)."""
+    them again -- they return at once (or fail again with their recorded reason).
+    ``grow_threads`` (``--trial-threads grow``): a CPU trial trains on its share of its
+    node's free CPUs too (:mod:`mtbert.tune.trial.thread_share`)."""
     entered_at, cpu_at_entry = time.time(), time.process_time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -102,7 +107,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
     if marker.is_file():  # a retry of a deterministic failure: fail again at once
         raise TrialFailed(marker.read_text(encoding="utf-8"))
     try:
-        _run(config, data, base or {}, tune, entered_at, cpu_at_entry)
+        _run(config, data, base or {}, tune, entered_at, cpu_at_entry, grow_threads)
     except TrialFailed as exc:
         _mark_failed(marker, str(exc))
         raise
@@ -216,10 +221,9 @@ def _mark_failed(marker: Path, reason: str) -> None:
 
 
 def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: float,
-         cpu_at_entry: float) -> None:
+         cpu_at_entry: float, grow_threads: bool) -> None:
     import logging
 
-    import torch
     import transformers
 
     from mtbert.trainer import Trainer  # deferred: torch, transformers
@@ -227,8 +231,9 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
+    held = tune.get_context().get_trial_resources().required_resources
     if base.get("threads"):  # torch threads = the CPUs Ray holds for this trial
-        cpus = tune.get_context().get_trial_resources().required_resources.get("CPU", 0)
+        cpus = held.get("CPU", 0)
         base = {**base, "threads": max(1, int(cpus))} if cpus >= 1 else base
     try:
         cfg = trial_config(base, config)
@@ -248,7 +253,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
     def report(metrics: dict, checkpoint_dir: str | None) -> None:
         # the checkpoint folder holds the model state and this evaluation's val predictions
         timing = {"time/entered_at": entered_at, **startup, **perturbable,
-                  "train/threads": torch.get_num_threads(),
+                  "train/threads": trainer.threads,
                   "time/cpu_s": time.process_time() - cpu_at_entry,
                   "time/reported_at": time.time()}
         # on the trainer's checkpoint thread, once the checkpoint is written; a stop raises
@@ -266,7 +271,9 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
         try:
             trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from,
-                              stop_requested=worker_exit.exit_requested)
+                              stop_requested=worker_exit.exit_requested,
+                              threads_wanted=thread_share(held, node_id) if grow_threads
+                              else None)
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
