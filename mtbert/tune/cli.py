@@ -20,7 +20,7 @@ from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEE
                                         SCHEDULERS, SEARCHERS)
 from mtbert.tune.infra.mps import CHOICES as MPS_CHOICES
 from mtbert.tune.trial.objective import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
-from mtbert.tune.settings import resolve_settings, resume_command
+from mtbert.tune.settings import FUSE_CHOICES, resolve_settings, resume_command
 from mtbert.tune.search.spaces import list_spaces
 
 
@@ -107,9 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per trial, fractions allowed; default: where the Ray cluster "
                         "has GPUs, several trials share each (the share from the model's "
                         "size and the GPU's memory, printed); 0 forces the CPUs")
-    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
-                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
-                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+    add_gpu_sharing(p)
     p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
                    help=searcher_help())
     p.add_argument("--scheduler", default=None, choices=list(SCHEDULERS),
@@ -162,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue --experiment after a crash (Tuner.restore)")
     p.add_argument("--extend", metavar="EXPERIMENT", help=EXTEND_HELP)
     return p
+
+
+def add_gpu_sharing(p: argparse.ArgumentParser) -> None:
+    """--mps and --fuse: how trials share a GPU."""
+    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
+                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
+                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+    p.add_argument("--fuse", default="auto", choices=list(FUSE_CHOICES),
+                   help="train the trials in one long-lived trainer per GPU, those of one "
+                        "structure fused: auto (where the trials get GPUs) | on | off "
+                        "(one Ray worker per trial; docs/search.md)")
 
 
 def given_flags(argv: list[str] | None) -> frozenset[str]:

@@ -39,6 +39,10 @@ from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
 from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
 from mtbert.tune.infra.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
+#: --fuse: the trials trained by trainer actors (mtbert.tune.trial.group_trainer), those of
+#: one structure fused; auto: where the trials get GPUs
+FUSE_CHOICES = ("auto", "on", "off")
+
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 
 
@@ -70,6 +74,8 @@ class SearchSettings:
     address: str | None
     mlflow_fallback_local: bool
     mps: str = "auto"                # --mps: auto | on | off (mps.py)
+    fuse: str = "auto"               # --fuse: auto | on | off (FUSE_CHOICES)
+    fused: bool = False              # the trials train fused (fuses(), set once Ray is up)
     resources: ResourcePlan | None = None   # set once Ray is up
     extend: str | None = None        # --extend: the earlier search's experiment name
     extend_trials: dict[str, Any] | None = None   # its parsed trials.json
@@ -100,6 +106,13 @@ class SearchSettings:
             gpus_per_trial=plan.gpus_per_trial,
             base={**self.base, "device": "auto" if plan.gpus_per_trial > 0 else "cpu"})
 
+    def fuses(self, have_gpu: bool) -> bool:
+        """Whether the trials train in trainer actors (``--fuse``; auto: where they get
+        GPUs, ``have_gpu`` on this machine)."""
+        if self.fuse == "auto":
+            return have_gpu and self.gpus_per_trial != 0
+        return self.fuse == "on"
+
     def saved(self) -> dict[str, Any]:
         """What ``mtbert_search.json`` holds: the effective CLI values and the space, so that
         ``--resume`` (from any machine that reaches the storage) repeats this search."""
@@ -115,7 +128,8 @@ class SearchSettings:
                 "ensemble_top_k": self.top_k, "ensemble": self.ensemble,
                 "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
-                "mps": self.mps, "resume": self.resume, "extend": self.extend}
+                "mps": self.mps, "fuse": self.fuse, "resume": self.resume,
+                "extend": self.extend}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
@@ -206,6 +220,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         keep_checkpoints=getattr(args, "keep_checkpoints", "best"),
         max_failures=args.max_failures, address=args.address,
         mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
+        fuse=getattr(args, "fuse", "auto"),
         extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None)
 
 
