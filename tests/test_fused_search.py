@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,66 @@ def test_each_fused_trial_reports_what_it_reports_trained_alone(fused_search, tm
             for key in ("val/overall", "val/sst_acc", "val/qqp_acc"):
                 assert row[key] == pytest.approx(alone[key], abs=DRIFT), (trial_dir.name, key)
             assert row["val/sts_corr"] == pytest.approx(alone["val/sts_corr"], abs=6 * DRIFT)
+
+
+def _drain(trainer, trial_id: str, forwarded: int, alive: tuple[str, ...] = (),
+           timeout_s: float = 120.0):
+    """Poll as a thin trial does, forwarding every report at once, the trials ``alive``
+    kept there (their heartbeat); (reports, end)."""
+    import time
+
+    import ray
+    reports, started = [], time.time()
+    while time.time() - started < timeout_s:
+        for other in alive:
+            trainer.alive.remote(other)
+        new, end = ray.get(trainer.poll.remote(trial_id, forwarded + len(reports)))
+        reports.extend(new)
+        if end is not None:
+            return reports, end
+        time.sleep(0.05)
+    raise AssertionError(f"{trial_id} did not end in {timeout_s} s")
+
+
+def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent_ones(
+        shared_ray, tiny_config):
+    """The trainer actor without Tune: a trial whose report is not forwarded does not train
+    on; a SMART trial (unfusable) trains alone to its end; a trial whose thin trial stops
+    polling is dropped while the others train on."""
+    import time
+
+    import ray
+
+    from mtbert.data import load_data
+    from mtbert.tune.trial.group_trainer import GroupTrainer
+
+    cfg = tiny_config(dropout=0.0, eval_dev=False, max_examples=96, eval_every=48)
+    trainer = ray.remote(GroupTrainer).options(num_cpus=0, max_concurrency=4).remote(
+        load_data(cfg), 1, 4.0)
+    plain, smart = cfg.to_dict(), {**cfg.to_dict(), "smart_lambda_sst": 1.0}
+    for trial_id, values in (("held", plain), ("silent", plain), ("smart", smart)):
+        ray.get(trainer.join.remote(trial_id, values))
+    # "held": its first report (0 examples) taken but never forwarded: it stays there
+    deadline = time.time() + 60
+    while not (held := ray.get(trainer.poll.remote("held", 0))[0]) and time.time() < deadline:
+        trainer.alive.remote("smart")
+        trainer.alive.remote("silent")  # until it has joined the group of "held"
+        time.sleep(0.05)
+    assert [r["examples_seen"] for r, _ in held] == [0]
+    reports, end = _drain(trainer, "smart", 0, alive=("held",))
+    assert end == {"reason": "finished"}
+    assert [r["examples_seen"] for r, _ in reports][-1] >= 96
+    # each report after the first carries its checkpoint, deleted once forwarded
+    assert all(folder and not Path(folder).exists() for _, folder in reports[1:])
+    # "silent" not heard of for 4 s: dropped; "held" stayed at its first report
+    for _ in range(100):
+        trainer.alive.remote("held")
+        time.sleep(0.05)
+    assert ray.get(trainer.poll.remote("silent", 0))[1] == {"reason": "stopped"}
+    new, end = ray.get(trainer.poll.remote("held", 0))
+    assert [r["examples_seen"] for r, _ in new] == [0] and end is None
+    reports, end = _drain(trainer, "held", 1)  # forwarded: it trains on to its end
+    assert end == {"reason": "finished"} and reports[-1][0]["examples_seen"] >= 96
+    placement = ray.get(trainer.placement.remote())
+    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1}
+    ray.kill(trainer)

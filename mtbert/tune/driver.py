@@ -119,7 +119,7 @@ def fused_placement_line(trainers) -> str:
     import ray
 
     parts = [f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
-             f"{p['largest']} at once" for i, p in enumerate(
+             f"{p['largest']} at once, {p['alone']} alone (unfusable)" for i, p in enumerate(
                  ray.get([t.placement.remote() for t in trainers]))]
     return "fused: " + "; ".join(parts)
 

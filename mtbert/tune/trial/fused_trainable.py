@@ -87,6 +87,9 @@ def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> b
                     _mark_failed(marker, end["error"])
                     raise TrialFailed(end["error"])
                 raise RuntimeError(end["error"])
+            if end["reason"] == "stopped":  # not by Tune: the trainer found it gone
+                raise RuntimeError("the trainer dropped this trial: no poll for "
+                                   "group_trainer.STALE_S seconds")
             return True
         if not reports:
             time.sleep(POLL_S)

@@ -13,7 +13,8 @@ trial (the trial's next evaluation writes a new one) and deleted once forwarded.
 One loop thread does all torch work: it builds the joining trials, steps each group's
 trials that are not held, and ends the trials whose thin trial left or stopped polling for
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
-fuse (:func:`~mtbert.fused_training.unfusable`) is refused with the reason.
+fuse (:func:`~mtbert.fused_training.unfusable`: SMART, PCGrad, ...) trains alone in the
+trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class GroupTrainer:
         self.joins = 0
         self.largest = 0                     # most trials one group held at once
         self.formed = 0                      # groups formed
+        self.alone = 0                       # trials that could not fuse, trained alone
         self.root = Path(tempfile.mkdtemp(prefix="mtbert-fused-"))
         self.cond = threading.Condition()
         threading.Thread(target=self._loop, name="fused-loop", daemon=True).start()
@@ -98,7 +100,8 @@ class GroupTrainer:
 
     def poll(self, trial_id: str, forwarded: int) -> tuple[list, dict | None]:
         """The reports after the first ``forwarded`` (those are forwarded: the trial trains
-        on) and, once every report is forwarded, how the trial ended (None: it trains)."""
+        on) and, once every report is forwarded or the trial was stopped here, how the
+        trial ended (None: it trains)."""
         with self.cond:
             seat = self.seats[trial_id]
             seat.seen_at = time.time()
@@ -108,7 +111,8 @@ class GroupTrainer:
             seat.forwarded = max(seat.forwarded, forwarded)
             self.cond.notify_all()
             pending = seat.reports[forwarded:]
-            end = seat.end if not pending else None
+            stopped = seat.end is not None and seat.end["reason"] == "stopped"
+            end = seat.end if stopped or not pending else None
             if end is not None:
                 shutil.rmtree(seat.out_dir, ignore_errors=True)
             return pending, end
@@ -129,9 +133,11 @@ class GroupTrainer:
                 self.cond.notify_all()
 
     def placement(self) -> dict[str, int]:
-        """What this trainer trained: trials joined, groups formed, the largest group."""
+        """What this trainer trained: trials joined, groups formed, the largest group, the
+        trials trained alone."""
         with self.cond:
-            return {"trials": self.joins, "groups": self.formed, "largest": self.largest}
+            return {"trials": self.joins, "groups": self.formed, "largest": self.largest,
+                    "alone": self.alone}
 
     # ------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
@@ -164,22 +170,25 @@ class GroupTrainer:
 
     def _join(self, seat: Seat) -> None:
         from mtbert.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
+        from mtbert.trainer import Trainer  # deferred: torch
         from mtbert.trial_run import TrialRun  # deferred: torch
         try:
-            reason = unfusable(seat.cfg)
-            if reason is not None:
-                raise ValueError(f"cannot train fused: {reason} (run with --fuse off)")
+            alone = unfusable(seat.cfg)
             resume_from = None
             if seat.restore is not None:
                 resume_from = seat.restore.to_directory(str(seat.out_dir / "restored"))
-            run = TrialRun(eager(seat.cfg), self.data, seat.out_dir / "run",
-                           report=self._report_to(seat, lambda: run),
-                           resume_from=resume_from)
+            build = (Trainer, seat.cfg) if alone else (TrialRun, eager(seat.cfg))
+            run = build[0](build[1], self.data, seat.out_dir / "run",
+                           report=self._report_to(seat, lambda: run), resume_from=resume_from)
         except Exception as exc:
             self._ended(seat, {"reason": "failed", "error": f"{type(exc).__name__}: {exc}"})
             return
-        key = fuse_key(seat.cfg)
-        if key not in self.groups:
+        key = ("alone", seat.gid) if alone else fuse_key(seat.cfg)
+        if alone:
+            print(f"[tune] trial {seat.gid} trains alone: {alone}", flush=True)
+            self.groups[key] = AloneGroup()
+            self.alone += 1
+        elif key not in self.groups:
             self.groups[key] = FusedGroup()
             self.formed += 1
         group = self.groups[key]
@@ -246,6 +255,40 @@ class GroupTrainer:
             if how["reason"] == "stopped":  # nobody forwards its reports any more
                 shutil.rmtree(seat.out_dir, ignore_errors=True)
             self.cond.notify_all()
+
+
+class AloneGroup:
+    """A trial that cannot fuse, stepped by its own engine (a
+    :class:`~mtbert.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
+
+    def __init__(self):
+        self.trials: dict[str, Any] = {}
+        self._started = False
+
+    def add(self, trial, trial_id: str) -> None:
+        self.trials[trial_id] = trial
+
+    def step_once(self, ids: list[str]) -> dict[str, Any]:
+        """One step of its trial (as Trainer.fit takes it); {id: TrialEnd} once it ends."""
+        from mtbert.fused_training import TrialEnd  # deferred: torch
+        (trial_id, trial), = self.trials.items()
+        try:
+            if not self._started:
+                self._started = True
+                trial.start()
+            batches = trial.next_update()
+            if batches is not None:
+                trial.stepped(trial.engine.step({trial: batches})[trial])
+                return {}
+            end = TrialEnd("finished", metrics=trial.finish())
+        except (Exception, SystemExit) as exc:
+            trial.close()
+            end = TrialEnd("stopped" if isinstance(exc, SystemExit) else "failed", error=exc)
+        del self.trials[trial_id]
+        return {trial_id: end}
+
+    def remove(self, trial_id: str) -> None:
+        self.trials.pop(trial_id).close()
 
 
 def _how(end) -> dict:
