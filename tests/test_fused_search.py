@@ -47,7 +47,7 @@ def fused_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
                    "--num-samples", str(NUM_TRIALS), "--max-concurrent", str(NUM_TRIALS),
                    "--storage-path", str(storage), "--experiment", "fused-test",
                    "--mlflow-uri", uri, "--seed", "0", "--ensemble-top-k", "2",
-                   "--scheduler", "asha", "--search-alg", "random", "--fuse", "on"])
+                   "--scheduler", "asha-promote", "--search-alg", "optuna", "--fuse", "on"])
     exp_dir = storage / "fused-test"
     summary = json.loads((exp_dir / "summary.json").read_text()) if rc == 0 else None
     return {"rc": rc, "exp_dir": exp_dir, "uri": uri, "summary": summary,
@@ -64,9 +64,10 @@ def test_fused_search_trains_every_trial_and_ranks_them(fused_search):
         t["best"]["val/overall"] for t in s["trials"])
     console = fused_search["console"]
     assert "[tune] fused: 4 trials at once, each a thin trial of 0.25 CPU" in console
-    placed = re.search(r"\[tune\] fused: trainer 0: 4 trials in (\d+) groups, at most (\d+) "
-                       r"at once", console)
-    assert placed and int(placed[2]) >= 2, console[-3000:]  # trials trained fused
+    # every trial joined (a promoted one again, from its checkpoint), and trained fused
+    placed = re.search(r"\[tune\] fused: trainer 0: (\d+) trials in (\d+) groups, at most "
+                       r"(\d+) at once", console)
+    assert placed and int(placed[1]) >= NUM_TRIALS and int(placed[3]) >= 2, console[-3000:]
 
 
 def test_fused_search_has_one_mlflow_run_per_trial(fused_search):
@@ -92,19 +93,23 @@ def test_each_fused_trial_reports_what_it_reports_trained_alone(fused_search, tm
     data = load_data(TrainConfig.from_dict(base))
     trial_dirs = sorted(exp_dir.glob("trial_*"))
     assert len(trial_dirs) == NUM_TRIALS
+    compared = 0
     for n, trial_dir in enumerate(trial_dirs):
         config = json.loads((trial_dir / "params.json").read_text())
         lines = (trial_dir / "result.json").read_text().splitlines()
         fused = [r for r in map(json.loads, lines) if r["examples_seen"] > 0]
+        if not fused:  # paused at its first rung with only its start recorded, then stopped
+            continue
         solo = Trainer(trial_config(base, config), data, tmp_path / str(n))
         solo.fit()
         by_examples = {h["examples_seen"]: h for h in solo.history}
-        assert len(fused) >= 1
+        compared += len(fused)
         for row in fused:
             alone = by_examples[row["examples_seen"]]
             for key in ("val/overall", "val/sst_acc", "val/qqp_acc"):
                 assert row[key] == pytest.approx(alone[key], abs=DRIFT), (trial_dir.name, key)
             assert row["val/sts_corr"] == pytest.approx(alone["val/sts_corr"], abs=6 * DRIFT)
+    assert compared >= 4  # the first rung's reports at least, and the promoted trial's
 
 
 def _drain(trainer, trial_id: str, forwarded: int, alive: tuple[str, ...] = (),
