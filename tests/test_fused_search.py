@@ -1,8 +1,11 @@
 """A search on the fused path (``--fuse on``): trials trained by one trainer actor as fused
-groups, each Tune trial a thin trial forwarding its reports.  A real local Ray (the shared
-session, 2 CPUs), a real SQLite MLflow store, the tiny model and tiny data; dropout 0 so
-that each trial's reports can be compared with the same config trained alone (what
-``--fuse off`` runs: the Trainer) within fp32 drift."""
+groups, each Tune trial a thin trial forwarding its reports.  A real local Ray (the one the
+in-process searches share, 2 CPUs), a real SQLite MLflow store, the tiny model and tiny
+data; promoting ASHA (trials paused at a rung, the promoted one rejoining from its
+checkpoint); dropout 0 so that each trial's reports can be compared with the same config
+trained alone (what ``--fuse off`` runs: the Trainer) within fp32 drift.  Then the trainer
+actor alone, driven as thin trials drive it: holds at reports, unfusable trials, silent
+trials dropped."""
 
 from __future__ import annotations
 
