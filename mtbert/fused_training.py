@@ -384,11 +384,11 @@ class FusedGroup:
         return self._end(trial_id, TrialEnd(reason, error=exc))
 
     # ------------------------------------------------------------------ training
-    def step_once(self) -> dict[Hashable, TrialEnd]:
-        """One fused step of every trial in the group (after a trial's last step, its
-        finish: final evaluation, predictions, ``metrics.json``); the trials that ended in
-        it, also in :attr:`ended`."""
-        return self._step(list(self.trials))
+    def step_once(self, ids: list[Hashable] | None = None) -> dict[Hashable, TrialEnd]:
+        """One fused step of every trial in the group, or of the trials ``ids`` (the others
+        held: they do not move); after a trial's last step, its finish (final evaluation,
+        predictions, ``metrics.json``).  The trials that ended in it, also in :attr:`ended`."""
+        return self._step(list(self.trials) if ids is None else list(ids))
 
     def run_steps(self, steps: int) -> dict[Hashable, TrialEnd]:
         """Up to ``steps`` fused steps (fewer once no trial is left); the trials that ended."""

@@ -20,7 +20,7 @@ from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEE
                                         SCHEDULERS, SEARCHERS)
 from mtbert.tune.infra.mps import CHOICES as MPS_CHOICES
 from mtbert.tune.trial.objective import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
-from mtbert.tune.settings import resolve_settings, resume_command
+from mtbert.tune.settings import FUSE_CHOICES, resolve_settings, resume_command
 from mtbert.tune.search.spaces import list_spaces
 
 
@@ -83,7 +83,7 @@ EXTEND_HELP = ("grow the finished search EXPERIMENT (in --storage-path): a new s
 
 
 def add_resource_arguments(p: argparse.ArgumentParser) -> None:
-    """What each trial runs on: CPUs, GPUs, threads, CUDA MPS."""
+    """What each trial runs on: CPUs, GPUs, threads, CUDA MPS, fused trainers."""
     p.add_argument("--max-concurrent", type=int,
                    help="trials at once (default: cluster CPUs / --cpus-per-trial)")
     p.add_argument("--cpus-per-trial", type=finite_float, default=1.0,
@@ -98,9 +98,7 @@ def add_resource_arguments(p: argparse.ArgumentParser) -> None:
                         "keeps busy, checked every 2 s (a trial whose partners ended trains "
                         "on their cores too, and gives them back when a trial starts there); "
                         "fixed: its CPUs. GPU trials: fixed")
-    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
-                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
-                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+    add_gpu_sharing(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue --experiment after a crash (Tuner.restore)")
     p.add_argument("--extend", metavar="EXPERIMENT", help=EXTEND_HELP)
     return p
+
+
+def add_gpu_sharing(p: argparse.ArgumentParser) -> None:
+    """--mps and --fuse: how trials share a GPU."""
+    p.add_argument("--mps", default="auto", choices=list(MPS_CHOICES),
+                   help="CUDA MPS for trials sharing a local GPU: auto starts the search's "
+                        "own daemon where it helps; on: or fails; off (docs/search.md)")
+    p.add_argument("--fuse", default="auto", choices=list(FUSE_CHOICES),
+                   help="train the trials in one long-lived trainer per GPU, those of one "
+                        "structure fused: on | off | auto (off until measured on a GPU) "
+                        "(one Ray worker per trial; docs/search.md)")
 
 
 def given_flags(argv: list[str] | None) -> frozenset[str]:

@@ -39,6 +39,8 @@ from mtbert.tune.settings import SearchSettings, resume_command
 from mtbert.tune.results.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary,
                                          build_summary, first_ready_s, phases_line)
 from mtbert.tune.infra.tracking import SearchTracker
+from mtbert.tune.trial.fused_trainable import train_fused_trial
+from mtbert.tune.trial.group_trainer import TRAINER_PREFIX, start_trainers
 from mtbert.tune.trial.trainable import train_trial
 
 
@@ -52,8 +54,11 @@ def run(settings: SearchSettings) -> int:
     # MPS outside Ray: its daemon stops only once Ray's workers, its clients, are gone
     mps_logs = settings.location.exp_dir / MPS_LOG_FOLDER / time.strftime(
         "%Y%m%d-%H%M%S", time.gmtime(phases["started_at"]))  # one folder per run (--resume)
-    with cuda_mps(settings.mps, settings.address, settings.gpus_per_trial,
-                  settings.mps != "off" and local_gpu(settings.address), mps_logs) as mps, \
+    have_gpu = local_gpu(settings.address)
+    settings = dataclasses.replace(settings, fused=settings.fuses(have_gpu))
+    mps_choice = "off" if settings.fused else settings.mps  # no MPS on the fused path
+    with cuda_mps(mps_choice, settings.address, settings.gpus_per_trial,
+                  mps_choice != "off" and have_gpu, mps_logs) as mps, \
             ray_for_search(settings.address, mps.worker_env):
         for line in dashboard_lines():
             print(f"[tune] {line}", flush=True)
@@ -63,17 +68,70 @@ def run(settings: SearchSettings) -> int:
         max_concurrent = plan.trials_at_once
         threads = "; CPU threads grow into free CPUs" if (
             settings.trial_threads == "grow" and not plan.gpus_per_trial) else ""
-        print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU and "
-              f"{plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
-              flush=True)
+        trainers = ()
+        if settings.fused:
+            settings, trainers = start_fused(settings, data, max_concurrent)
+        else:
+            print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU "
+                  f"and {plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
+                  flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
         phases["tune_started_at"] = time.time()
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
-        grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent)
+        try:
+            grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent,
+                                                    trainers)
+            if trainers:
+                print(f"[tune] {fused_placement_line(trainers)}", flush=True)
+        finally:
+            stop_trainers(trainers)
         phases["tune_ended_at"] = time.time()
         phases["tune_s"] = phases["tune_ended_at"] - phases["tune_started_at"]
         return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling,
                       phases)
+
+
+#: CPUs of a fused trial's thin trial (it forwards reports; its trainer trains)
+THIN_TRIAL_CPUS = 0.25
+
+
+def start_fused(settings: SearchSettings, data, max_concurrent: int):
+    """The fused path: one trainer actor per GPU of the cluster (one with one CPU where it
+    has none), started now; the settings with each thin trial's CPUs; the start line."""
+    import ray
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0)) if settings.gpus_per_trial != 0 else 0
+    count, cpus = max(1, gpus), 1.0
+    thin = min(THIN_TRIAL_CPUS, max(resources.get("CPU", 1.0) - count * cpus, 0.0)
+               / max(1, max_concurrent))
+    settings = dataclasses.replace(settings, cpus_per_trial=thin)
+    trainers = start_trainers(data, count, cpus, 1.0 if gpus else 0.0,
+                              threads=0 if gpus else int(cpus))
+    where = f"one per GPU ({count})" if gpus else "1 on the CPUs (1 CPU)"
+    print(f"[tune] fused: {max_concurrent} trials at once, each a thin trial of {thin:g} CPU "
+          f"forwarding the reports of trainer actors, {where}; each trainer fuses the "
+          f"trials of one structure into a group (up to {max_concurrent} trials per "
+          "group); CUDA MPS off", flush=True)
+    return settings, trainers
+
+
+def fused_placement_line(trainers) -> str:
+    """How the trainers placed the trials (after Tune's loop)."""
+    import ray
+
+    parts = [f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
+             f"{p['largest']} at once, {p['alone']} alone (unfusable)" for i, p in enumerate(
+                 ray.get([t.placement.remote() for t in trainers]))]
+    return "fused: " + "; ".join(parts)
+
+
+def stop_trainers(trainers) -> None:
+    """The trainer actors end with Tune's loop (their names are free for the next search)."""
+    import ray
+
+    for trainer in trainers:
+        ray.kill(trainer)
 
 
 def load_search_data(settings: SearchSettings):
@@ -160,7 +218,8 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
     return params
 
 
-def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int):
+def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int,
+        trainers=()):
     """``Tuner.fit()``; returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
     the scheduler ended the sampling (promoting ASHA, once its first rung's or deciding
     rung's share is promoted: the trials of ``num_samples`` left were not needed)."""
@@ -171,10 +230,15 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     ended = tracker.freeze_ended() if settings.resume else {}
     if ended:
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    trainable = tune.with_resources(
-        tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended,
-                             grow_threads=settings.trial_threads == "grow"),
-        {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
+        threads = "; CPU threads grow into free CPUs" if (
+            settings.trial_threads == "grow" and not plan.gpus_per_trial) else ""
+        trainers = ()
+        if settings.fused:
+            settings, trainers = start_fused(settings, data, max_concurrent)
+        else:
+            print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU "
+                  f"and {plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
+                  flush=True)
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
     tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent,

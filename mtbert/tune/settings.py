@@ -39,6 +39,10 @@ from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
 from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
 from mtbert.tune.infra.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
+#: --fuse: the trials trained by trainer actors (mtbert.tune.trial.group_trainer), those of
+#: one structure fused; auto: off until a GPU measures the fused path (docs/search.md)
+FUSE_CHOICES = ("auto", "on", "off")
+
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
 
 
@@ -71,6 +75,8 @@ class SearchSettings:
     mlflow_fallback_local: bool
     mps: str = "auto"                # --mps: auto | on | off (mps.py)
     trial_threads: str = "grow"      # --trial-threads: grow | fixed (trial/thread_share.py)
+    fuse: str = "auto"               # --fuse: auto | on | off (FUSE_CHOICES)
+    fused: bool = False              # the trials train fused (fuses(), set once Ray is up)
     resources: ResourcePlan | None = None   # set once Ray is up
     extend: str | None = None        # --extend: the earlier search's experiment name
     extend_trials: dict[str, Any] | None = None   # its parsed trials.json
@@ -101,6 +107,13 @@ class SearchSettings:
             gpus_per_trial=plan.gpus_per_trial,
             base={**self.base, "device": "auto" if plan.gpus_per_trial > 0 else "cpu"})
 
+    def fuses(self, have_gpu: bool) -> bool:
+        """Whether the trials train in trainer actors (``--fuse``).  ``auto`` is off
+        everywhere for now, ``have_gpu`` included: the fused step is eager, while a GPU
+        trial's default step is captured graphs, and no GPU has measured the two."""
+        del have_gpu  # what auto decides by, once a GPU bench has measured the two
+        return self.fuse == "on"
+
     def saved(self) -> dict[str, Any]:
         """What ``mtbert_search.json`` holds: the effective CLI values and the space, so that
         ``--resume`` (from any machine that reaches the storage) repeats this search."""
@@ -117,7 +130,7 @@ class SearchSettings:
                 "keep_checkpoints": self.keep_checkpoints,
                 "max_failures": self.max_failures, "address": self.address,
                 "mps": self.mps, "trial_threads": self.trial_threads,
-                "resume": self.resume, "extend": self.extend}
+                "fuse": self.fuse, "resume": self.resume, "extend": self.extend}
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
@@ -209,6 +222,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         max_failures=args.max_failures, address=args.address,
         mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
         trial_threads=getattr(args, "trial_threads", "grow"),
+        fuse=getattr(args, "fuse", "auto"),
         extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None)
 
 

@@ -64,8 +64,8 @@ def last_leg_cpus(settings, max_concurrent: int) -> float:
     """The CPUs ``asha-promote`` gives the trial it promotes last
     (docs/bench/search_efficiency.md, "Promoting ASHA"): every place's, on one machine with
     CPU trials; on a cluster (``--address``) a trial's CPUs stay on one node and GPU trials
-    gain nothing from threads: 0, unchanged."""
-    if settings.address or settings.gpus_per_trial:
+    gain nothing from threads, nor fused trials (their trainer actor trains): 0, unchanged."""
+    if settings.address or settings.gpus_per_trial or getattr(settings, "fused", False):
         return 0.0
     return max_concurrent * settings.cpus_per_trial
 

@@ -1,0 +1,109 @@
+"""The fused path's Tune trainable (``--fuse on``): a thin trial, a fraction of a CPU and
+no GPU, whose training runs in a trainer actor (:mod:`.group_trainer`).
+
+It hands its config (and the checkpoint Tune restores it from) to the trainer with room --
+a group of its structure first, then the fewest trials -- and forwards that trial's reports
+and checkpoints to ``tune.report``, so schedulers, the MLflow callback and the records see
+one trial per trial as on the unfused path.  The trainer holds the trial at each report
+until it is forwarded here.  When Tune ends this trial (a scheduler's stop or pause, an
+error), it leaves its group on the way out; should its process end first, the trainer
+drops it once it stops polling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mtbert.errors import ConfigError
+from mtbert.tune.trial.trainable import FAILED_MARKER, TrialFailed
+from mtbert.tune.trial.trial_config import trial_config
+
+#: seconds between polls while the trial trains; between heartbeats while tune.report waits
+POLL_S = 0.1
+HEARTBEAT_S = 2.0
+#: how the trainer's errors that no retry can mend begin (group_trainer)
+DETERMINISTIC = ("non-finite loss", "ConfigError", "cannot train fused")
+
+
+def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None,
+                      ended: dict[str, dict[str, str]] | None = None,
+                      trainers: tuple[str, ...] = ()) -> None:
+    """Function trainable (module doc); ``base``, ``ended`` as :func:`.trainable.train_trial`
+    takes them, ``trainers``: the trainer actors' names (with_parameters)."""
+    entered_at = time.time()
+    import ray  # deferred: ray
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    done = (ended or {}).get(trial_id)
+    if done is not None:  # ended before the driver restarted (--resume)
+        if done["status"] == "FAILED":
+            raise TrialFailed(done.get("error_reason") or "failed before the search was resumed")
+        return
+    marker = Path(tune.get_context().get_trial_dir()) / FAILED_MARKER
+    if marker.is_file():  # a retry of a deterministic failure: fail again at once
+        raise TrialFailed(marker.read_text(encoding="utf-8"))
+    try:
+        cfg = trial_config(base or {}, config).to_dict()
+    except ConfigError as exc:
+        raise TrialFailed(f"invalid trial config: {exc}") from None
+    handles = [ray.get_actor(name) for name in trainers]
+    scores = ray.get([h.fit_score.remote(cfg) for h in handles])
+    trainer = handles[max(range(len(handles)), key=scores.__getitem__)]
+    ray.get(trainer.join.remote(trial_id, cfg, tune.get_checkpoint()))
+    beating = threading.Event()
+    threading.Thread(target=_heartbeat, args=(trainer, trial_id, beating), daemon=True).start()
+    left = False
+    try:
+        left = _forward(trainer, trial_id, entered_at, tune, marker)
+    finally:
+        beating.set()
+        if not left:  # stopped or paused by Tune, or an error here: leave the group
+            try:
+                ray.get(trainer.leave.remote(trial_id), timeout=10)
+            except Exception:
+                pass
+
+
+def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> bool:
+    """Forward the trial's reports until it ends; True once it has (finished)."""
+    import ray  # deferred: ray
+    forwarded = 0
+    while True:
+        reports, end = ray.get(trainer.poll.remote(trial_id, forwarded))
+        for scalars, folder in reports:
+            startup = {"time/startup_s": scalars.pop("time/ready_at") - entered_at}
+            tune.report({**scalars, "time/entered_at": entered_at, **startup,
+                         "time/cpu_s": time.process_time(),
+                         "time/reported_at": time.time()},
+                        checkpoint=tune.Checkpoint.from_directory(folder) if folder else None)
+            forwarded += 1
+        if end is not None:
+            if end["reason"] == "failed":
+                if end["error"].startswith(DETERMINISTIC):  # a retry would fail alike
+                    _mark_failed(marker, end["error"])
+                    raise TrialFailed(end["error"])
+                raise RuntimeError(end["error"])
+            if end["reason"] == "stopped":  # not by Tune: the trainer found it gone
+                raise RuntimeError("the trainer dropped this trial: no poll for "
+                                   "group_trainer.STALE_S seconds")
+            return True
+        if not reports:
+            time.sleep(POLL_S)
+
+
+def _heartbeat(trainer, trial_id: str, stop: threading.Event) -> None:
+    """Tell the trainer this trial is there while ``tune.report`` waits on Tune."""
+    while not stop.wait(HEARTBEAT_S):
+        trainer.alive.remote(trial_id)
+
+
+def _mark_failed(marker: Path, reason: str) -> None:
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(reason, encoding="utf-8")
+    except OSError:
+        pass

@@ -1,0 +1,313 @@
+"""The fused path's trainer (``--fuse on``): one long-lived Ray actor per GPU (one on a
+CPU-only cluster) that trains the trials Tune hands it as fused groups
+(:class:`~mtbert.fused_training.FusedGroup`, one per :func:`~mtbert.fused_training.fuse_key`).
+
+It gets the tokenised data once, when it starts.  A thin Tune trial
+(:mod:`.fused_trainable`) joins with its config (and the checkpoint Tune restores it from),
+then polls: it takes its trial's reports (scalar metrics, checkpoint folder) and forwards
+them to ``tune.report``.  A trial with a report not yet forwarded is held -- not stepped;
+the fused step moves only the trials given batches -- so a scheduler's stop acts where it
+acts on the unfused path.  Each report's checkpoint folder is moved aside for its thin
+trial (the trial's next evaluation writes a new one) and deleted once forwarded.
+
+One loop thread does all torch work: it builds the joining trials, steps each group's
+trials that are not held, and ends the trials whose thin trial left or stopped polling for
+:data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
+fuse (:func:`~mtbert.fused_training.unfusable`: SMART, PCGrad, ...) trains alone in the
+trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtbert.config import PERTURBED, TrainConfig
+from mtbert.tune.trial.trainable import ray_metrics
+
+#: the trainers' Ray actor names: this prefix and the trainer's number
+TRAINER_PREFIX = "mtbert-fused-trainer-"
+#: seconds without a poll after which a trial's thin trial is taken as gone
+STALE_S = 20.0
+#: seconds the loop waits for work when no trial can step
+IDLE_S = 0.05
+
+
+@dataclass
+class Seat:
+    """One trial in the trainer: its run, its reports and how it ended."""
+    cfg: TrainConfig
+    restore: Any                 # the tune.Checkpoint it resumes from, or None
+    out_dir: Path
+    gid: str                     # its id in its group (unique per join)
+    reports: list[tuple[dict, str | None]] = field(default_factory=list)
+    forwarded: int = 0           # reports its thin trial has passed to tune.report
+    end: dict | None = None      # {"reason": finished | failed | stopped, "error": str}
+    seen_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    leaving: bool = False
+    key: tuple | None = None     # its group's fuse_key once it has joined one
+
+    @property
+    def held(self) -> bool:
+        return self.forwarded < len(self.reports)
+
+
+class GroupTrainer:
+    """The actor (module doc); methods other than the loop run on Ray's method thread."""
+
+    def __init__(self, data, threads: int = 0, stale_s: float = STALE_S):
+        self.data = data
+        self.threads = threads
+        self.stale_s = stale_s
+        self.seats: dict[str, Seat] = {}     # Tune trial id -> its latest join
+        self.groups: dict[tuple, Any] = {}   # fuse_key -> FusedGroup
+        self.joins = 0
+        self.largest = 0                     # most trials one group held at once
+        self.formed = 0                      # groups formed
+        self.alone = 0                       # trials that could not fuse, trained alone
+        self.root = Path(tempfile.mkdtemp(prefix="mtbert-fused-"))
+        self.cond = threading.Condition()
+        threading.Thread(target=self._loop, name="fused-loop", daemon=True).start()
+
+    # ------------------------------------------------------------ the thin trials' calls
+    def fit_score(self, cfg_values: dict) -> tuple[int, int]:
+        """How well a trial fits here (higher first): a group of its structure, then load."""
+        from mtbert.fused_training import fuse_key  # deferred: torch
+        key = fuse_key(TrainConfig.from_dict(cfg_values))
+        with self.cond:
+            running = sum(s.end is None for s in self.seats.values())
+            return int(key in self.groups), -running
+
+    def join(self, trial_id: str, cfg_values: dict, restore=None) -> None:
+        """Trial ``trial_id`` trains here (from ``restore``, a tune.Checkpoint, if given);
+        a seat it held before (a retry) is ended first."""
+        with self.cond:
+            old = self.seats.get(trial_id)
+            if old is not None and old.end is None:
+                old.leaving = True
+            self.joins += 1
+            out_dir = self.root / trial_id / f"join-{self.joins}"
+            self.seats[trial_id] = Seat(TrainConfig.from_dict(cfg_values), restore, out_dir,
+                                        gid=f"{trial_id}#{self.joins}")
+            self.cond.notify_all()
+
+    def poll(self, trial_id: str, forwarded: int) -> tuple[list, dict | None]:
+        """The reports after the first ``forwarded`` (those are forwarded: the trial trains
+        on) and, once every report is forwarded or the trial was stopped here, how the
+        trial ended (None: it trains)."""
+        with self.cond:
+            seat = self.seats[trial_id]
+            seat.seen_at = time.time()
+            for _, folder in seat.reports[seat.forwarded:forwarded]:
+                if folder:
+                    shutil.rmtree(folder, ignore_errors=True)
+            seat.forwarded = max(seat.forwarded, forwarded)
+            self.cond.notify_all()
+            pending = seat.reports[forwarded:]
+            stopped = seat.end is not None and seat.end["reason"] == "stopped"
+            end = seat.end if stopped or not pending else None
+            if end is not None:
+                shutil.rmtree(seat.out_dir, ignore_errors=True)
+            return pending, end
+
+    def alive(self, trial_id: str) -> None:
+        """The thin trial is there (while ``tune.report`` holds it)."""
+        with self.cond:
+            seat = self.seats.get(trial_id)
+            if seat is not None:
+                seat.seen_at = time.time()
+
+    def leave(self, trial_id: str) -> None:
+        """Tune ended the trial (stop, pause, error): it leaves its group; the others go on."""
+        with self.cond:
+            seat = self.seats.get(trial_id)
+            if seat is not None and seat.end is None:
+                seat.leaving = True
+                self.cond.notify_all()
+
+    def placement(self) -> dict[str, int]:
+        """What this trainer trained: trials joined, groups formed, the largest group, the
+        trials trained alone."""
+        with self.cond:
+            return {"trials": self.joins, "groups": self.formed, "largest": self.largest,
+                    "alone": self.alone}
+
+    # ------------------------------------------------------------ the loop thread
+    def _loop(self) -> None:
+        import torch  # deferred: torch
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            with self.cond:
+                now = time.time()
+                for seat in self.seats.values():
+                    if seat.end is None and now - seat.seen_at > self.stale_s:
+                        seat.leaving = True
+                leaving = [s for s in self.seats.values() if s.leaving and s.end is None]
+                joining = [s for s in self.seats.values()
+                           if s.key is None and s.end is None and not s.leaving]
+                stepping = {key: [s.gid for s in self.seats.values()
+                                  if s.key == key and s.end is None and not s.held]
+                            for key in self.groups}
+                if not (leaving or joining or any(stepping.values())):
+                    self.cond.wait(IDLE_S)
+                    continue
+            for seat in leaving:
+                self._leave(seat)
+            for seat in joining:
+                self._join(seat)
+            for key, ids in stepping.items():
+                ids = [i for i in ids if i in self.groups[key].trials]
+                if ids:
+                    self._step(key, ids)
+
+    def _join(self, seat: Seat) -> None:
+        from mtbert.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
+        from mtbert.trainer import Trainer  # deferred: torch
+        from mtbert.trial_run import TrialRun  # deferred: torch
+        try:
+            alone = unfusable(seat.cfg)
+            resume_from = None
+            if seat.restore is not None:
+                resume_from = seat.restore.to_directory(str(seat.out_dir / "restored"))
+            build = (Trainer, seat.cfg) if alone else (TrialRun, eager(seat.cfg))
+            run = build[0](build[1], self.data, seat.out_dir / "run",
+                           report=self._report_to(seat, lambda: run), resume_from=resume_from)
+        except Exception as exc:
+            self._ended(seat, {"reason": "failed", "error": f"{type(exc).__name__}: {exc}"})
+            return
+        key = ("alone", seat.gid) if alone else fuse_key(seat.cfg)
+        if alone:
+            print(f"[tune] trial {seat.gid} trains alone: {alone}", flush=True)
+            self.groups[key] = AloneGroup()
+            self.alone += 1
+        elif key not in self.groups:
+            self.groups[key] = FusedGroup()
+            self.formed += 1
+        group = self.groups[key]
+        group.add(run, trial_id=seat.gid)
+        self.largest = max(self.largest, len(group.trials))
+        with self.cond:
+            seat.key, seat.ready_at = key, time.time()
+
+    def _report_to(self, seat: Seat, run):
+        """The trial's report callback (on its checkpoint thread): the scalars as Ray gets
+        them, the checkpoint folder moved aside until its thin trial has forwarded it."""
+        perturbable = {f"config/{k}": getattr(seat.cfg, k) for k in PERTURBED}
+
+        def report(metrics: dict, checkpoint_dir: str | None) -> None:
+            import ray  # deferred: ray
+            scalars = {**ray_metrics(metrics, run().history), **perturbable,
+                       "time/ready_at": seat.ready_at or time.time(),
+                       "node_id": ray.get_runtime_context().get_node_id()}
+            kept = None
+            with self.cond:
+                if checkpoint_dir:
+                    kept = seat.out_dir / f"report-{len(seat.reports)}"
+                    os.rename(checkpoint_dir, kept)
+                seat.reports.append((scalars, None if kept is None else str(kept)))
+                self.cond.notify_all()
+        return report
+
+    def _step(self, key: tuple, ids: list[str]) -> None:
+        group = self.groups[key]
+        try:
+            ended = group.step_once(ids)
+        except Exception as exc:  # in the shared step: the group ends
+            error = {"reason": "failed", "error": f"fused step: {type(exc).__name__}: {exc}"}
+            ended = {gid: error for gid in group.trials}
+            for gid in list(group.trials):
+                try:
+                    group.remove(gid)
+                except Exception:
+                    pass
+            del self.groups[key]
+        else:
+            ended = {gid: _how(end) for gid, end in ended.items()}
+        by_gid = {s.gid: s for s in self.seats.values()}
+        for gid, how in ended.items():
+            if gid in by_gid:
+                self._ended(by_gid[gid], how)
+        if key in self.groups and not group.trials:
+            del self.groups[key]
+
+    def _leave(self, seat: Seat) -> None:
+        group = self.groups.get(seat.key)
+        if group is not None and seat.gid in group.trials:
+            try:
+                group.remove(seat.gid)
+            except Exception:  # its last checkpoint's report failed: it leaves all the same
+                pass
+            if not group.trials:
+                del self.groups[seat.key]
+        self._ended(seat, {"reason": "stopped"})
+
+    def _ended(self, seat: Seat, how: dict) -> None:
+        with self.cond:
+            seat.end, seat.leaving = how, False
+            if how["reason"] == "stopped":  # nobody forwards its reports any more
+                shutil.rmtree(seat.out_dir, ignore_errors=True)
+            self.cond.notify_all()
+
+
+class AloneGroup:
+    """A trial that cannot fuse, stepped by its own engine (a
+    :class:`~mtbert.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
+
+    def __init__(self):
+        self.trials: dict[str, Any] = {}
+        self._started = False
+
+    def add(self, trial, trial_id: str) -> None:
+        self.trials[trial_id] = trial
+
+    def step_once(self, ids: list[str]) -> dict[str, Any]:
+        """One step of its trial (as Trainer.fit takes it); {id: TrialEnd} once it ends."""
+        from mtbert.fused_training import TrialEnd  # deferred: torch
+        (trial_id, trial), = self.trials.items()
+        try:
+            if not self._started:
+                self._started = True
+                trial.start()
+            batches = trial.next_update()
+            if batches is not None:
+                trial.stepped(trial.engine.step({trial: batches})[trial])
+                return {}
+            end = TrialEnd("finished", metrics=trial.finish())
+        except (Exception, SystemExit) as exc:
+            trial.close()
+            end = TrialEnd("stopped" if isinstance(exc, SystemExit) else "failed", error=exc)
+        del self.trials[trial_id]
+        return {trial_id: end}
+
+    def remove(self, trial_id: str) -> None:
+        self.trials.pop(trial_id).close()
+
+
+def _how(end) -> dict:
+    """A group's TrialEnd as the thin trial reads it."""
+    from mtbert.trial_run import NonFiniteLossError  # deferred: torch
+    if end.reason == "failed":
+        error = end.error
+        if isinstance(error, NonFiniteLossError):
+            return {"reason": "failed", "error": f"non-finite loss: {error}"}
+        return {"reason": "failed", "error": f"{type(error).__name__}: {error}"}
+    return {"reason": end.reason}
+
+
+def start_trainers(data, count: int, cpus: float, gpus: float, threads: int) -> list[Any]:
+    """``count`` trainer actors, named :data:`TRAINER_PREFIX` + number, each with ``cpus``
+    CPUs and ``gpus`` GPUs, the data put in Ray's object store once for all."""
+    import ray  # deferred: ray
+    data_ref = ray.put(data)
+    actor = ray.remote(GroupTrainer)
+    return [actor.options(name=f"{TRAINER_PREFIX}{i}", num_cpus=cpus, num_gpus=gpus,
+                          max_concurrency=4).remote(data_ref, threads)
+            for i in range(count)]
