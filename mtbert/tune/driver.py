@@ -230,15 +230,17 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     ended = tracker.freeze_ended() if settings.resume else {}
     if ended:
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-        threads = "; CPU threads grow into free CPUs" if (
-            settings.trial_threads == "grow" and not plan.gpus_per_trial) else ""
-        trainers = ()
-        if settings.fused:
-            settings, trainers = start_fused(settings, data, max_concurrent)
-        else:
-            print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU "
-                  f"and {plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
-                  flush=True)
+    if trainers:  # thin trials; the data is in the trainers already
+        trainable = tune.with_resources(
+            tune.with_parameters(train_fused_trial, base=settings.base, ended=ended,
+                                 trainers=tuple(f"{TRAINER_PREFIX}{i}"
+                                                for i in range(len(trainers)))),
+            {"cpu": settings.cpus_per_trial, "gpu": 0})
+    else:
+        trainable = tune.with_resources(
+            tune.with_parameters(train_trial, data=data, base=settings.base, ended=ended,
+                                 grow_threads=settings.trial_threads == "grow"),
+            {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
     tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent,
