@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtbert.errors import ConfigError
-from mtbert.tune.trial.trainable import FAILED_MARKER, TrialFailed
+from mtbert.tune.trial.trainable import FAILED_MARKER, TrialFailed, mark_failed
 from mtbert.tune.trial.trial_config import trial_config
 
 #: seconds between polls while the trial trains; between heartbeats while tune.report waits
@@ -84,7 +84,7 @@ def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> b
         if end is not None:
             if end["reason"] == "failed":
                 if end["error"].startswith(DETERMINISTIC):  # a retry would fail alike
-                    _mark_failed(marker, end["error"])
+                    mark_failed(marker, end["error"])
                     raise TrialFailed(end["error"])
                 raise RuntimeError(end["error"])
             if end["reason"] == "stopped":  # not by Tune: the trainer found it gone
@@ -99,11 +99,3 @@ def _heartbeat(trainer, trial_id: str, stop: threading.Event) -> None:
     """Tell the trainer this trial is there while ``tune.report`` waits on Tune."""
     while not stop.wait(HEARTBEAT_S):
         trainer.alive.remote(trial_id)
-
-
-def _mark_failed(marker: Path, reason: str) -> None:
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(reason, encoding="utf-8")
-    except OSError:
-        pass

@@ -109,12 +109,12 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
     try:
         _run(config, data, base or {}, tune, entered_at, cpu_at_entry, grow_threads)
     except TrialFailed as exc:
-        _mark_failed(marker, str(exc))
+        mark_failed(marker, str(exc))
         raise
     except Exception as exc:
         from mtbert.trainer import NonFiniteLossError  # deferred: torch
         if isinstance(exc, NonFiniteLossError):
-            _mark_failed(marker, f"non-finite loss: {exc}")
+            mark_failed(marker, f"non-finite loss: {exc}")
             raise TrialFailed(f"non-finite loss: {exc}") from None
         raise
 
@@ -212,7 +212,8 @@ def _write_running() -> None:
         run.write(examples_seen(), "worker exit")
 
 
-def _mark_failed(marker: Path, reason: str) -> None:
+def mark_failed(marker: Path, reason: str) -> None:
+    """Write a failed trial's reason where its records read it (best effort)."""
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(reason, encoding="utf-8")
