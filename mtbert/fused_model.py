@@ -7,8 +7,12 @@ built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tenso
 parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.batch_loss`,
 the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
 the batch.  What the batching rules make of it: a linear layer is one batched matmul
-for all N, attention folds the trial axis into its batch (one SDPA call), embeddings
-gather from the stacked tables and LayerNorm scales by each trial's own gains.  One
+for all N, embeddings gather from the stacked tables and LayerNorm scales by each
+trial's own gains.  Attention is not batched yet: torch 2.13 has no ``vmap`` batching
+rule for the CPU's fused SDPA kernel (``_scaled_dot_product_flash_attention_for_cpu``;
+it warns and loops over the trials), and transformers' eager attention cannot run under
+``vmap`` (data-dependent control flow); folding the trial axis into attention's batch
+outside ``vmap`` is the remedy still to build.  One
 ``backward`` of the sum of the trials' losses gives each trial its own gradient in its
 slice (the trials share no weight, so no gradient crosses between slices).
 
