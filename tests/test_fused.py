@@ -60,13 +60,19 @@ def _recording(trainer) -> list[tuple[str, float]]:
     return seen
 
 
-def _solo_and_fused(cfgs, tmp_path, dtype):
-    data = load_data(cfgs[0])
+def _solo_runs(cfgs, data, folder, dtype) -> list[tuple[list, dict]]:
+    """Each configuration trained alone: (its recorded step losses, its final metrics)."""
     solo = []
     for i, cfg in enumerate(cfgs):
-        trainer = Trainer(cfg, data, tmp_path / f"solo-{i}", model=_model(cfg, dtype))
+        trainer = Trainer(cfg, data, folder / f"solo-{i}", model=_model(cfg, dtype))
         seen = _recording(trainer)
         solo.append((seen, trainer.fit()))
+    return solo
+
+
+def _solo_and_fused(cfgs, tmp_path, dtype):
+    data = load_data(cfgs[0])
+    solo = _solo_runs(cfgs, data, tmp_path, dtype)
     group = FusedGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(len(cfgs))],
                        models=[_model(cfg, dtype) for cfg in cfgs])
     seens = [_recording(t) for t in group.trials.values()]
@@ -368,11 +374,7 @@ def event_runs(quiet_config, tmp_path_factory):
             quiet_config(seed=2, lr=5e-4, weight_decay=0.1, **EVENTS)]
     data = load_data(cfgs[0])
     folder = tmp_path_factory.mktemp("event-references")
-    solo = []
-    for i, cfg in enumerate(cfgs):
-        trainer = Trainer(cfg, data, folder / f"solo-{i}", model=_model(cfg, torch.float64))
-        seen = _recording(trainer)
-        solo.append((seen, trainer.fit()))
+    solo = _solo_runs(cfgs, data, folder, torch.float64)
     group, seens = _group(cfgs, data, folder / "group")
     return cfgs, data, solo, list(zip(seens, group.fit()))
 
@@ -506,11 +508,7 @@ def test_a_paused_smart_pcgrad_trial_resumes_into_the_group_as_its_solo_run(quie
                   pair_encoding="siamese")
     cfgs = [quiet_config(**trial, **common) for trial in SMART_TRIALS]
     data = load_data(cfgs[0])
-    solo = []
-    for i, cfg in enumerate(cfgs):
-        trainer = Trainer(cfg, data, tmp_path / f"solo-{i}", model=_model(cfg, torch.float64))
-        seen = _recording(trainer)
-        solo.append((seen, trainer.fit()))
+    solo = _solo_runs(cfgs, data, tmp_path, torch.float64)
     group, seens = _group(cfgs, data, tmp_path / "group")
     group.run_steps(5)
     end = group.pause(1)
