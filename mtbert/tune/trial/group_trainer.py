@@ -13,8 +13,8 @@ trial (the trial's next evaluation writes a new one) and deleted once forwarded.
 One loop thread does all torch work: it builds the joining trials, steps each group's
 trials that are not held, and ends the trials whose thin trial left or stopped polling for
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
-fuse (:func:`~mtbert.fused_training.unfusable`: SMART, PCGrad, ...) trains alone in the
-trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
+fuse (:func:`~mtbert.fused_training.unfusable`: a compiled or graphed step, an encoder
+other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
 """
 
 from __future__ import annotations
