@@ -82,8 +82,8 @@ class Trainer(TrialRun):
         """Train to ``max_examples`` or ``epochs``; returns the final metrics."""
         try:
             self.start()
-            while (batches := self.next_update()) is not None:
-                self.stepped(self.engine.step({self: batches})[self])
+            while self.train_one_update():
+                pass
             final = self.finish()
         except (SystemExit, NonFiniteLossError):  # stopped by the scheduler; diverged
             self.close()  # a checkpoint being written is finished first
@@ -94,6 +94,15 @@ class Trainer(TrialRun):
             raise
         self.leave_for_reuse()
         return final
+
+    def train_one_update(self) -> bool:
+        """One optimizer step by its own engine, with its bookkeeping; False once the run
+        has no step left (then :meth:`finish`)."""
+        batches = self.next_update()
+        if batches is None:
+            return False
+        self.stepped(self.engine.step({self: batches})[self])
+        return True
 
     def train_batches(self, batches: Batches) -> None:
         """One schedule step on host ``batches``: one optimizer step on the super-batch

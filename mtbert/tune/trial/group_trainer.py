@@ -276,9 +276,7 @@ class AloneGroup:
             if not self._started:
                 self._started = True
                 trial.start()
-            batches = trial.next_update()
-            if batches is not None:
-                trial.stepped(trial.engine.step({trial: batches})[trial])
+            if trial.train_one_update():
                 return {}
             end = TrialEnd("finished", metrics=trial.finish())
         except (Exception, SystemExit) as exc:
