@@ -8,11 +8,10 @@ parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.bat
 the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
 the batch.  What the batching rules make of it: a linear layer is one batched matmul
 for all N, embeddings gather from the stacked tables and LayerNorm scales by each
-trial's own gains.  Attention is not batched yet: torch 2.13 has no ``vmap`` batching
-rule for the CPU's fused SDPA kernel (``_scaled_dot_product_flash_attention_for_cpu``;
-it warns and loops over the trials), and transformers' eager attention cannot run under
-``vmap`` (data-dependent control flow); folding the trial axis into attention's batch
-outside ``vmap`` is the remedy still to build.  One
+trial's own gains, and attention folds the trial axis into its batch: on CUDA SDPA's
+kernels have batching rules that do so; on the CPU, whose SDPA kernel has none in torch
+2.13, the skeleton's attention is :mod:`mtbert.fused_attention`'s (the same arithmetic in
+ops that batch).  One
 ``backward`` of the sum of the trials' losses gives each trial its own gradient in its
 slice (the trials share no weight, so no gradient crosses between slices).
 
@@ -46,6 +45,7 @@ from torch.func import functional_call, vmap
 
 from mtbert.data import ROW_WEIGHTS
 from mtbert.dropout_rate import governed_dropouts
+from mtbert.fused_attention import use_batched_attention
 from mtbert.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
@@ -114,6 +114,8 @@ class FusedModel:
         built with (which finds the dropouts the setting governs)."""
         self.n = len(models)
         self.skeleton = copy.deepcopy(models[0])
+        device = next(iter(models[0].parameters())).device
+        use_batched_attention(self.skeleton, device)
         rate_names = []
         shared = dropouts[0] if len(set(dropouts)) == 1 else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
@@ -129,7 +131,6 @@ class FusedModel:
         buffers = [dict(m.named_buffers()) for m in models]
         self.buffers = {k: torch.stack([b[k] for b in buffers])
                         for k, _ in models[0].named_buffers()}
-        device = next(iter(self.params.values())).device
         rates = torch.tensor(dropouts, dtype=torch.float32, device=device)
         self.buffers.update({name: rates for name in rate_names})
         skeleton_params = dict(self.skeleton.named_parameters())

@@ -33,6 +33,9 @@ from mtbert.data import encoding_for
 from mtbert.pretrained import load_encoder
 from mtbert.tasks import TASKS
 
+#: attention implementations handed the 4-D boolean mask as it is (the fused encoder's
+#: on the CPU, :mod:`mtbert.fused_attention`, takes SDPA's)
+FOUR_D_MASK = ("sdpa", "mtbert_batched_math")
 STS_BINS = 6  # rounded similarity scores 0, 1, ..., 5
 #: sts_cosine_map -> (s, t) of score = s·cos + t at the start
 COSINE_MAPS = {"affine": (5.0, 0.0), "scaled": (5.0, 0.0), "report002": (2.5, 2.5)}
@@ -132,7 +135,7 @@ class MultitaskModel(nn.Module):
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None,
                 embeds: torch.Tensor | None) -> torch.Tensor:
-        if getattr(self.encoder.config, "_attn_implementation", None) == "sdpa":
+        if getattr(self.encoder.config, "_attn_implementation", None) in FOUR_D_MASK:
             # SDPA takes a 4-D boolean mask (True = attend) as it is; from a 2-D one
             # transformers first tests `mask.all()` on the host: a GPU sync every forward
             mask = mask[:, None, None, :].bool()
