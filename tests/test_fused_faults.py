@@ -200,6 +200,8 @@ def test_a_killed_trainer_restarts_and_its_trials_resume_from_checkpoints(faults
         if records[tid]["status"] == "error":  # (none: the w_sts 1e300 ones fail at once)
             continue
         assert trials[tid].num_failures >= 1, tid
+        # its thin trial saw the trainer die (Ray's actor error, or unknown to the restarted one)
+        assert "TrainerLost: its trainer" in Path(trials[tid].path, "error.txt").read_text()
         assert records[tid]["status"] in ("completed", "stopped_early")
         assert records[tid]["examples_seen"] >= at_kill["examples_seen"]
         df = analysis.trial_dataframes[tid]

@@ -33,8 +33,9 @@ DETERMINISTIC = ("non-finite loss", "ConfigError", "cannot train fused")
 class TrainerLost(RuntimeError):
     """The trial's trainer died: Tune retries the trial from its last checkpoint."""
 
-    def __init__(self, what: str):
-        super().__init__(f"{what}; Tune retries this trial from its last checkpoint")
+
+#: how a TrainerLost error ends
+RETRIED = "; Tune retries this trial from its last checkpoint"
 
 
 def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None,
@@ -65,7 +66,8 @@ def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None
         trainer = handles[max(range(len(handles)), key=scores.__getitem__)]
         ray.get(trainer.join.remote(trial_id, cfg, tune.get_checkpoint()))
     except ray.exceptions.RayActorError as exc:
-        raise TrainerLost(f"a trainer died before this trial joined ({exc})") from None
+        raise TrainerLost(f"a trainer died before this trial joined ({exc}){RETRIED}") \
+            from None
     beating = threading.Event()
     threading.Thread(target=_heartbeat, args=(trainer, trial_id, beating), daemon=True).start()
     left = False
@@ -73,7 +75,7 @@ def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None
         left = _forward(trainer, trial_id, entered_at, tune, marker)
     except ray.exceptions.RayActorError as exc:
         left = True  # nothing to leave: the trainer and its groups are gone
-        raise TrainerLost(f"its trainer died ({type(exc).__name__})") from None
+        raise TrainerLost(f"its trainer died ({type(exc).__name__}){RETRIED}") from None
     except TrainerLost:
         left = True
         raise
@@ -106,7 +108,7 @@ def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> b
                     raise TrialFailed(end["error"])
                 raise RuntimeError(end["error"])
             if end["reason"] == "lost":  # the trainer restarted since the trial joined
-                raise TrainerLost("its trainer restarted (its process had died)")
+                raise TrainerLost(f"its trainer restarted (its process had died){RETRIED}")
             if end["reason"] == "stopped":  # not by Tune: the trainer found it gone
                 raise RuntimeError("the trainer dropped this trial: no poll for "
                                    "group_trainer.STALE_S seconds")
