@@ -142,6 +142,11 @@ class GroupTrainer:
                 seat.leaving = True
                 self.cond.notify_all()
 
+    def training(self) -> list[str]:
+        """The trials training here now (Tune's ids)."""
+        with self.cond:
+            return [tid for tid, s in self.seats.items() if s.end is None]
+
     def placement(self) -> dict[str, int]:
         """What this trainer trained: trials joined, groups formed, the largest group, the
         trials trained alone; how their latest joins ended (finished, failed, stopped: Tune
