@@ -25,6 +25,7 @@ import os
 import signal
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,6 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
     def interrupt(runs):
         out["at_interrupt"] = runs
-        # the trials with a checkpoint to be restored from (Tune's state written at the stop)
-        out["checkpointed"] = {t for t in runs if healthy(t) and any(
-            (out["exp_dir"] / f"trial_{t}").glob("checkpoint_*"))}
         os.kill(os.getpid(), signal.SIGINT)
 
     previous = signal.signal(signal.SIGINT, lambda *_: None)
@@ -146,9 +144,18 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     out["ended_before"] = {t: _steps(db, r["run_id"]) for t, r in out["at_interrupt"].items()
                            if r["status"] in ("FINISHED", "FAILED")}
 
-    # the resumed search: kill its trainer once a trial of w_sts 1 restored from its
-    # checkpoint trains in it (the first search's trainer is gone by now: its name is free
-    # once the search returns)
+    # the resumed search: kill its trainer once a trial of w_sts 1 training in it has
+    # reported a checkpoint in this search and has more to train (the first search's
+    # trainer is gone by now: its name is free once the search returns)
+    def checkpointed(tid: str, since: float) -> bool:
+        """Tune has this trial's report since ``since`` with its checkpoint, not its last."""
+        try:
+            rows = (out["exp_dir"] / f"trial_{tid}" / "result.json").read_text().splitlines()
+            last = json.loads(rows[-1])
+        except (OSError, IndexError, ValueError):  # not written yet, or being written
+            return False
+        return last["time/entered_at"] >= since and 0 < last["examples_seen"] < SMOKE_MAX
+
     def training_on():
         try:
             trainer = ray.get_actor(f"{TRAINER_PREFIX}0")
@@ -158,11 +165,13 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
     def kill(found):
         trainer, ids = found
-        if not out["checkpointed"] & set(ids):
+        ready = {t for t in ids if healthy(t) and checkpointed(t, resumed_at)}
+        if not ready:
             return False
-        out["killed"] = ids
+        out["killed"], out["checkpointed"] = ids, ready
         ray.kill(trainer, no_restart=False)  # as a crash kills it: Ray may restart it
 
+    resumed_at = time.time()
     with _when(training_on, kill):
         out["resumed"] = _main(["--resume", *common])
     summary = out["exp_dir"] / "summary.json"
@@ -230,6 +239,7 @@ def test_a_killed_trainer_restarts_and_its_trials_resume_from_checkpoints(faults
         if tid in faults["checkpointed"]:  # from its checkpoint, not from the start
             last = analysis.trial_dataframes[tid].iloc[-1]
             assert last["iterations_since_restore"] < last["training_iteration"], tid
+            assert records[tid]["examples_seen"] >= SMOKE_MAX
     client = MlflowClient(tracking_uri=f"sqlite:///{faults['db']}")
     exp = client.get_experiment_by_name("mtbert/nan")
     runs = client.search_runs([exp.experiment_id])
