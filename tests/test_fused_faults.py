@@ -5,11 +5,11 @@ random search, two trials at once:
 
 * one STS loss weight overflows (w_sts 1e300): those trials fail alone, their error naming
   the non-finite loss; the others train on in the trainer;
-* Ctrl-C (SIGINT to this process, where the driver runs) once a trial has ended and
-  another trains: exit 130; ``--resume`` finishes the search, the ended trials not trained
+* Ctrl-C (SIGINT to this process, where the driver runs) once a trial has finished and
+  another trains in the trainer: exit 130; ``--resume`` finishes the search, the ended trials not trained
   again, one MLflow run per trial;
 * in the resumed search, the trainer actor is killed (as a crash kills it) while a trial
-  trains in it: Ray restarts it, its trials fail and Tune retries them from their last
+  trains in it with a checkpoint reported: Ray restarts it, its trials fail and Tune retries them from their last
   checkpoints into the restarted trainer; nothing is lost.
 
 (A trial stopped by ASHA leaving its group: tests/test_fused_search.py; ``--extend`` on
@@ -43,6 +43,7 @@ params:
   w_sts: {choice: [1.0, 1.0e300]}
   lr: 1.0e-3
   warmup_ratio: 0.0
+  batch_size: 4
 """
 
 
@@ -80,7 +81,7 @@ def _when(predicate, act):
             value = predicate()
             if value and act(value) is not False:
                 return
-            done.wait(0.1)
+            done.wait(0.02)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
@@ -111,19 +112,27 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     out = {"db": db, "exp_dir": storage / "faults", "at_interrupt": {}, "killed": [],
            "checkpointed": set()}
 
-    # Ctrl-C once a trial has finished and another has reported, short of the last rung
-    # (it trains on once resumed): Tune's handler (the main thread's) stops the search; a
-    # signal after Tune's loop meets the no-op put here
     def healthy(tid: str) -> bool:  # a trial of w_sts 1
         params = out["exp_dir"] / f"trial_{tid}" / "params.json"
         return params.is_file() and json.loads(params.read_text())["w_sts"] == 1.0
 
+    def in_trainer() -> tuple | None:
+        """The trainer and the trials training in it (None before it starts)."""
+        try:
+            trainer = ray.get_actor(f"{TRAINER_PREFIX}0")
+            return trainer, ray.get(trainer.training.remote())
+        except (ValueError, ray.exceptions.RayActorError):
+            return None
+
+    # Ctrl-C once a trial has finished and one of w_sts 1 trains in the trainer: Tune's
+    # handler (the main thread's) stops the search; a signal after Tune's loop meets the
+    # no-op put here
     def ended_and_training():
+        found = in_trainer()
+        if not (found and any(map(healthy, found[1]))):
+            return None
         runs = _runs(db)
-        finished = {t for t, r in runs.items() if r["status"] == "FINISHED"}
-        busy = {t for t, r in runs.items() if r["status"] == "RUNNING" and healthy(t)
-                and 0 < r["examples_seen"] < SMOKE_MAX - 48}
-        return runs if finished and busy else None
+        return runs if any(r["status"] == "FINISHED" for r in runs.values()) else None
 
     def interrupt(runs):
         out["at_interrupt"] = runs
@@ -156,13 +165,6 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
             return False
         return last["time/entered_at"] >= since and 0 < last["examples_seen"] < SMOKE_MAX
 
-    def training_on():
-        try:
-            trainer = ray.get_actor(f"{TRAINER_PREFIX}0")
-            return trainer, ray.get(trainer.training.remote())
-        except (ValueError, ray.exceptions.RayActorError):  # not started yet
-            return None
-
     def kill(found):
         trainer, ids = found
         ready = {t for t in ids if healthy(t) and checkpointed(t, resumed_at)}
@@ -172,7 +174,7 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
         ray.kill(trainer, no_restart=False)  # as a crash kills it: Ray may restart it
 
     resumed_at = time.time()
-    with _when(training_on, kill):
+    with _when(in_trainer, kill):
         out["resumed"] = _main(["--resume", *common])
     summary = out["exp_dir"] / "summary.json"
     out["summary"] = json.loads(summary.read_text()) if summary.exists() else None
