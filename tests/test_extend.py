@@ -4,10 +4,10 @@ The searcher side runs on real Ray searchers and real Optuna studies, without tr
 an extended searcher proposes otherwise than a cold one of the same seed and does not
 train the old optimum again; a prior (another budget's) trial's configuration is
 trained again.  The driver side runs real searches on the tiny model, a real local Ray
-and a real SQLite MLflow store: a first search, its extension and an extension of the
-extension; the summary ranks old and new trials together, the ensemble takes an old
-trial's kept weights, no old trial trains again, MLflow links the parents; and every bad
-``--extend`` exits 2 with one line and writes nothing.
+and a real SQLite MLflow store: a first search, its extension (trained fused, ``--fuse
+on``) and an extension of the extension; the summary ranks old and new trials together,
+the ensemble takes an old trial's kept weights, no old trial trains again, MLflow links
+the parents; and every bad ``--extend`` exits 2 with one line and writes nothing.
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
-    """first (3 trials) -> second (--extend first, 2 more) -> third (--extend second, 1)."""
+    """first (3 trials) -> second (--extend first, 2 more, on the fused path: ``--fuse on``)
+    -> third (--extend second, 1)."""
     root = tmp_path_factory.mktemp("extend")
     storage = root / "ray_results"
     common = ["--storage-path", str(storage), "--mlflow-uri", f"sqlite:///{root / 'm.db'}",
@@ -214,7 +215,7 @@ def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
                    "--seed", "0", "--scheduler", "asha", *common])
     # every trial with weights is a candidate and (vote) a member: an old kept one too
     second = _main(["--extend", "first", "--num-samples", "2", "--experiment", "second",
-                    "--ensemble-top-k", "5", "--ensemble", "vote", *common])
+                    "--ensemble-top-k", "5", "--ensemble", "vote", "--fuse", "on", *common])
     # the storage is copied elsewhere and the second search's original removed (nothing
     # may read it); its trials.json is made as searches wrote it before they named
     # weights relative to the experiment folder: absolute paths, under the folder gone
@@ -262,10 +263,11 @@ def test_the_extension_ranks_old_and_new_trials_together(searches):
 
 
 def test_no_old_trial_trains_again(searches):
-    """Ray's experiment of the extension holds its own trials only, the examples it
-    trained are theirs, and none repeats an old completed configuration."""
+    """Ray's experiment of the extension (on the fused path) holds its own trials only,
+    the examples it trained are theirs, and none repeats an old completed configuration."""
     from ray.tune import ExperimentAnalysis
     first, second = searches["first"]["summary"], searches["second"]["summary"]
+    assert "[tune] fused: trainer 0: 2 trials" in searches["second"]["stdout"]
     analysis = ExperimentAnalysis(str(searches["second"]["dir"]),
                                   default_metric=OBJECTIVE, default_mode="max")
     ray_trials = {t.trial_id: t for t in analysis.trials}

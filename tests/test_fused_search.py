@@ -63,6 +63,7 @@ def fused_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
 
 def test_fused_search_trains_every_trial_and_ranks_them(fused_search):
+    """Every trial trained fused and ranked; each one ASHA stopped left its group."""
     assert fused_search["rc"] == 0, fused_search["console"][-3000:]
     s = fused_search["summary"]
     counts = s["counts"]
@@ -76,6 +77,13 @@ def test_fused_search_trains_every_trial_and_ranks_them(fused_search):
     placed = re.search(r"\[tune\] fused: trainer 0: (\d+) trials in (\d+) groups, at most "
                        r"(\d+) at once", console)
     assert placed and int(placed[1]) >= NUM_TRIALS and int(placed[3]) >= 2, console[-3000:]
+    # each trial stopped or paused by ASHA left its group: once Tune's loop is over, no trial
+    # trains in the trainer, the completed ones' last joins finished, the others' stopped
+    ended = re.search(r"ended (\d+) finished, (\d+) stopped, (\d+) failed, (\d+) training",
+                      console)
+    assert ended and [int(n) for n in ended.groups()] == [
+        counts["completed"], counts["stopped_early"], 0, 0], console[-3000:]
+    assert counts["stopped_early"] >= 1
 
 
 def test_fused_search_has_one_mlflow_run_per_trial(fused_search):
@@ -203,5 +211,6 @@ def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent
     reports, end = _drain(trainer, "held", 1)  # forwarded: it trains on to its end
     assert end == {"reason": "finished"} and reports[-1][0]["examples_seen"] >= 96
     placement = ray.get(trainer.placement.remote())
-    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1}
+    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1,
+                         "finished": 2, "stopped": 1, "failed": 0, "training": 0}
     ray.kill(trainer)

@@ -117,21 +117,33 @@ def start_fused(settings: SearchSettings, data, max_concurrent: int):
 
 
 def fused_placement_line(trainers) -> str:
-    """How the trainers placed the trials (after Tune's loop)."""
+    """How the trainers placed the trials and how each one's latest join ended (after
+    Tune's loop; a trainer that restarted counts from its restart)."""
     import ray
 
     parts = [f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
-             f"{p['largest']} at once, {p['alone']} alone (unfusable)" for i, p in enumerate(
+             f"{p['largest']} at once, {p['alone']} alone (unfusable); ended "
+             f"{p['finished']} finished, {p['stopped']} stopped, {p['failed']} failed, "
+             f"{p['training']} training" for i, p in enumerate(
                  ray.get([t.placement.remote() for t in trainers]))]
     return "fused: " + "; ".join(parts)
 
 
-def stop_trainers(trainers) -> None:
-    """The trainer actors end with Tune's loop (their names are free for the next search)."""
+def stop_trainers(trainers, wait_s: float = 30.0) -> None:
+    """The trainer actors end with Tune's loop (not restarted), their names free again
+    before this returns (a ``--resume`` in the same Ray names its trainers alike)."""
     import ray
 
     for trainer in trainers:
-        ray.kill(trainer)
+        ray.kill(trainer, no_restart=True)
+    deadline = time.time() + wait_s
+    for i in range(len(trainers)):
+        while time.time() < deadline:
+            try:
+                ray.get_actor(f"{TRAINER_PREFIX}{i}")
+            except ValueError:  # gone
+                break
+            time.sleep(0.1)
 
 
 def load_search_data(settings: SearchSettings):

@@ -20,8 +20,8 @@ from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
 
 SETTINGS_FILE = "mtbert_search.json"
 #: CLI values a resumed search takes from the new command line, not from its saved settings
-_RESUME_OWN = ("resume", "address", "mlflow_fallback_local", "mps", "trial_threads",
-               "fuse")
+#: (not ``fuse``: Tune restores a search with the trainable it started with, fused or not)
+_RESUME_OWN = ("resume", "address", "mlflow_fallback_local", "mps", "trial_threads")
 #: CLI values a search started with ``--extend`` takes from the earlier search unless given
 #: (the space is checked equal when given; another budget, model or data makes the earlier
 #: trials prior information only: extension.py)

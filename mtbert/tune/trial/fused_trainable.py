@@ -7,7 +7,9 @@ and checkpoints to ``tune.report``, so schedulers, the MLflow callback and the r
 one trial per trial as on the unfused path.  The trainer holds the trial at each report
 until it is forwarded here.  When Tune ends this trial (a scheduler's stop or pause, an
 error), it leaves its group on the way out; should its process end first, the trainer
-drops it once it stops polling.
+drops it once it stops polling.  Should the trainer die (Ray's actor error on a call, or
+the restarted trainer not knowing the trial), the trial fails and Tune retries it from its
+last checkpoint (``--max-failures``), into the trainer Ray restarted under the same name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ POLL_S = 0.1
 HEARTBEAT_S = 2.0
 #: how the trainer's errors that no retry can mend begin (group_trainer)
 DETERMINISTIC = ("non-finite loss", "ConfigError", "cannot train fused")
+
+
+class TrainerLost(RuntimeError):
+    """The trial's trainer died: Tune retries the trial from its last checkpoint."""
+
+
+#: how a TrainerLost error ends
+RETRIED = "; Tune retries this trial from its last checkpoint"
 
 
 def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None,
@@ -50,15 +60,25 @@ def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None
         cfg = trial_config(base or {}, config).to_dict()
     except ConfigError as exc:
         raise TrialFailed(f"invalid trial config: {exc}") from None
-    handles = [ray.get_actor(name) for name in trainers]
-    scores = ray.get([h.fit_score.remote(cfg) for h in handles])
-    trainer = handles[max(range(len(handles)), key=scores.__getitem__)]
-    ray.get(trainer.join.remote(trial_id, cfg, tune.get_checkpoint()))
+    try:
+        handles = [ray.get_actor(name) for name in trainers]
+        scores = ray.get([h.fit_score.remote(cfg) for h in handles])
+        trainer = handles[max(range(len(handles)), key=scores.__getitem__)]
+        ray.get(trainer.join.remote(trial_id, cfg, tune.get_checkpoint()))
+    except ray.exceptions.RayActorError as exc:
+        raise TrainerLost(f"a trainer died before this trial joined ({exc}){RETRIED}") \
+            from None
     beating = threading.Event()
     threading.Thread(target=_heartbeat, args=(trainer, trial_id, beating), daemon=True).start()
     left = False
     try:
         left = _forward(trainer, trial_id, entered_at, tune, marker)
+    except ray.exceptions.RayActorError as exc:
+        left = True  # nothing to leave: the trainer and its groups are gone
+        raise TrainerLost(f"its trainer died ({type(exc).__name__}){RETRIED}") from None
+    except TrainerLost:
+        left = True
+        raise
     finally:
         beating.set()
         if not left:  # stopped or paused by Tune, or an error here: leave the group
@@ -87,6 +107,8 @@ def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> b
                     mark_failed(marker, end["error"])
                     raise TrialFailed(end["error"])
                 raise RuntimeError(end["error"])
+            if end["reason"] == "lost":  # the trainer restarted since the trial joined
+                raise TrainerLost(f"its trainer restarted (its process had died){RETRIED}")
             if end["reason"] == "stopped":  # not by Tune: the trainer found it gone
                 raise RuntimeError("the trainer dropped this trial: no poll for "
                                    "group_trainer.STALE_S seconds")

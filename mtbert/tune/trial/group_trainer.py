@@ -15,6 +15,11 @@ trials that are not held, and ends the trials whose thin trial left or stopped p
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
 fuse (:func:`~mtbert.fused_training.unfusable`: a compiled or graphed step, an encoder
 other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
+
+Should the trainer's process die (a crash, its GPU lost), Ray restarts the actor under its
+name (:data:`TRAINER_RESTARTS`), empty: its thin trials' calls fail with Ray's actor error
+or find their trial unknown (``poll``: ``lost``), they fail, and Tune retries each from its
+last checkpoint into the restarted trainer.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ TRAINER_PREFIX = "mtbert-fused-trainer-"
 STALE_S = 20.0
 #: seconds the loop waits for work when no trial can step
 IDLE_S = 0.05
+#: how often Ray restarts a trainer whose process died (-1: each time; the trials' own
+#: retries, ``--max-failures``, bound a search that keeps losing it)
+TRAINER_RESTARTS = -1
 
 
 @dataclass
@@ -101,9 +109,11 @@ class GroupTrainer:
     def poll(self, trial_id: str, forwarded: int) -> tuple[list, dict | None]:
         """The reports after the first ``forwarded`` (those are forwarded: the trial trains
         on) and, once every report is forwarded or the trial was stopped here, how the
-        trial ended (None: it trains)."""
+        trial ended (None: it trains; ``lost``: not known here, the trainer restarted)."""
         with self.cond:
-            seat = self.seats[trial_id]
+            seat = self.seats.get(trial_id)
+            if seat is None:
+                return [], {"reason": "lost"}
             seat.seen_at = time.time()
             for _, folder in seat.reports[seat.forwarded:forwarded]:
                 if folder:
@@ -132,12 +142,21 @@ class GroupTrainer:
                 seat.leaving = True
                 self.cond.notify_all()
 
+    def training(self) -> list[str]:
+        """The trials training here now (Tune's ids)."""
+        with self.cond:
+            return [tid for tid, s in self.seats.items() if s.end is None]
+
     def placement(self) -> dict[str, int]:
         """What this trainer trained: trials joined, groups formed, the largest group, the
-        trials trained alone."""
+        trials trained alone; how their latest joins ended (finished, failed, stopped: Tune
+        ended them or their thin trial went silent) or not yet (training)."""
         with self.cond:
+            ends = [s.end["reason"] if s.end else "training" for s in self.seats.values()]
             return {"trials": self.joins, "groups": self.formed, "largest": self.largest,
-                    "alone": self.alone}
+                    "alone": self.alone,
+                    **{reason: ends.count(reason)
+                       for reason in ("finished", "failed", "stopped", "training")}}
 
     # ------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
@@ -302,10 +321,12 @@ def _how(end) -> dict:
 
 def start_trainers(data, count: int, cpus: float, gpus: float, threads: int) -> list[Any]:
     """``count`` trainer actors, named :data:`TRAINER_PREFIX` + number, each with ``cpus``
-    CPUs and ``gpus`` GPUs, the data put in Ray's object store once for all."""
+    CPUs and ``gpus`` GPUs, the data put in Ray's object store once for all; Ray restarts
+    one whose process dies (:data:`TRAINER_RESTARTS`; a call in flight then fails)."""
     import ray  # deferred: ray
     data_ref = ray.put(data)
     actor = ray.remote(GroupTrainer)
     return [actor.options(name=f"{TRAINER_PREFIX}{i}", num_cpus=cpus, num_gpus=gpus,
-                          max_concurrency=4).remote(data_ref, threads)
+                          max_concurrency=4, max_restarts=TRAINER_RESTARTS).remote(
+                              data_ref, threads)
             for i in range(count)]
