@@ -176,9 +176,7 @@ class GroupTrainer:
 
     # ------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
-        import torch  # deferred: torch
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        self._warm()
         while True:
             with self.cond:
                 now = time.time()
@@ -202,6 +200,19 @@ class GroupTrainer:
                 ids = [i for i in ids if i in self.groups[key].trials]
                 if ids:
                     self._step(key, ids)
+
+    def _warm(self) -> None:
+        """What the first trial would otherwise wait for, done as the trainer starts (while
+        the driver sets up MLflow and Tune): the trainer's imports (torch, transformers,
+        the fused trainer) and, on a GPU, the CUDA context."""
+        import torch  # deferred: torch
+
+        import mtbert.fused_training  # noqa: F401  (deferred: torch, transformers)
+        import mtbert.trainer  # noqa: F401
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")
 
     def _join(self, seat: Seat) -> None:
         from mtbert.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
