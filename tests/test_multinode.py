@@ -15,6 +15,7 @@ own files locally and copies them there.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -120,3 +121,45 @@ def test_uri_storage_holds_every_file(two_node_search):
     assert list((exp_dir / "ensemble" / "predictions").glob("sst-dev-output.csv"))
     settings = json.loads((exp_dir / "mtbert_search.json").read_text())
     assert settings["args"]["storage_path"] == exp_uri.rsplit("/", 1)[0]
+
+
+def test_fused_trials_train_on_one_node_and_report_from_the_other(tmp_path, tiny_model_dir,
+                                                                  tiny_data_dir):
+    """``--fuse on`` on two 1-CPU nodes: the trainer actor takes one node's CPU, so the thin
+    trials (a quarter CPU each) run on the other node. Their checkpoints cross through
+    Ray (the trainer's folders are on its node's disk), and the search ends as a
+    single-node one does: every trial trained, paused trials resumed from those
+    checkpoints (promoting ASHA), each kept checkpoint at the URI storage."""
+    from urllib.parse import urlparse
+
+    from ray.tune import ExperimentAnalysis
+
+    storage, db = tmp_path / "ray_results", tmp_path / "mlflow.db"
+    with LocalRayCluster(tmp_path / "logs") as cluster:
+        head = cluster.start_head(num_cpus=1)
+        worker = cluster.add_worker(num_cpus=1)
+        out = subprocess.run(driver_cmd(cluster, tiny_model_dir, tiny_data_dir,
+                                        storage.as_uri(), db, "fused-two-nodes",
+                                        "--num-samples", "3", "--max-concurrent", "3",
+                                        "--fuse", "on"),
+                             cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                             timeout=300)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    placed = re.search(r"fused: trainer 0: (\d+) trials", out.stdout)
+    assert placed and int(placed[1]) > 3, out.stdout[-3000:]  # a paused trial re-joined
+    exp_dir = storage / "fused-two-nodes"
+    summary = json.loads((exp_dir / "summary.json").read_text())
+    assert summary["counts"]["trials"] == 3 and summary["counts"]["errored"] == 0
+    analysis = ExperimentAnalysis(str(exp_dir))
+    trained_on, reported_from = set(), set()
+    for trial in analysis.trials:
+        df = analysis.trial_dataframes[trial.trial_id]
+        trained_on |= set(df["node_id"])
+        reported_from |= set(df["thin_trial_node_id"])
+    assert len(trained_on) == 1 and len(reported_from) == 1
+    assert trained_on | reported_from == {head.node_id, worker.node_id}
+    kept = [t["best_checkpoint"] for t in summary["trials"] if t["best_checkpoint"]]
+    assert kept
+    for uri in kept:
+        folder = Path(urlparse(uri).path)
+        assert folder.is_dir() and any(folder.iterdir()), uri

@@ -14,6 +14,8 @@ last checkpoint (``--max-failures``), into the trainer Ray restarted under the s
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -72,7 +74,10 @@ def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None
     threading.Thread(target=_heartbeat, args=(trainer, trial_id, beating), daemon=True).start()
     left = False
     try:
-        left = _forward(trainer, trial_id, entered_at, tune, marker)
+        here = ray.get_runtime_context().get_node_id()
+        local = ray.get(trainer.node_id.remote()) == here
+        left = _forward(trainer, trial_id, entered_at, tune, marker,
+                        {} if local else {"thin_trial_node_id": here})
     except ray.exceptions.RayActorError as exc:
         left = True  # nothing to leave: the trainer and its groups are gone
         raise TrainerLost(f"its trainer died ({type(exc).__name__}){RETRIED}") from None
@@ -88,18 +93,22 @@ def train_fused_trial(config: dict[str, Any], base: dict[str, Any] | None = None
                 pass
 
 
-def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> bool:
-    """Forward the trial's reports until it ends; True once it has (finished)."""
+def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path,
+             remote: dict[str, str]) -> bool:
+    """Forward the trial's reports until it ends; True once it has (finished).  ``remote``:
+    empty where the trainer shares this node (its checkpoint folders are read where they
+    are), else ``{"thin_trial_node_id": this node}``, added to each report."""
     import ray  # deferred: ray
     forwarded = 0
     while True:
         reports, end = ray.get(trainer.poll.remote(trial_id, forwarded))
         for scalars, folder in reports:
             startup = {"time/startup_s": scalars.pop("time/ready_at") - entered_at}
-            tune.report({**scalars, "time/entered_at": entered_at, **startup,
-                         "time/cpu_s": time.process_time(),
-                         "time/reported_at": time.time()},
-                        checkpoint=tune.Checkpoint.from_directory(folder) if folder else None)
+            with _checkpoint_here(trainer, folder, bool(remote)) as here:
+                tune.report({**scalars, **remote, "time/entered_at": entered_at, **startup,
+                             "time/cpu_s": time.process_time(),
+                             "time/reported_at": time.time()},
+                            checkpoint=tune.Checkpoint.from_directory(here) if here else None)
             forwarded += 1
         if end is not None:
             if end["reason"] == "failed":
@@ -115,6 +124,24 @@ def _forward(trainer, trial_id: str, entered_at: float, tune, marker: Path) -> b
             return True
         if not reports:
             time.sleep(POLL_S)
+
+
+@contextlib.contextmanager
+def _checkpoint_here(trainer, folder: str | None, remote: bool):
+    """A report's checkpoint folder readable on this node while Tune takes it
+    (``tune.report`` copies it to the search's storage): the trainer's own folder, or, for
+    a trainer on another node, a copy of its files fetched through Ray, removed after."""
+    if not folder or not remote:
+        yield folder
+        return
+    import ray  # deferred: ray
+    files = ray.get(trainer.checkpoint_files.remote(folder))
+    with tempfile.TemporaryDirectory(prefix="mtbert-fused-report-") as copy:
+        for name, data in files.items():
+            path = Path(copy) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        yield copy
 
 
 def _heartbeat(trainer, trial_id: str, stop: threading.Event) -> None:

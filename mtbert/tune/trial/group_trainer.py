@@ -5,7 +5,9 @@ CPU-only cluster) that trains the trials Tune hands it as fused groups
 It gets the tokenised data once, when it starts.  A thin Tune trial
 (:mod:`.fused_trainable`) joins with its config (and the checkpoint Tune restores it from),
 then polls: it takes its trial's reports (scalar metrics, checkpoint folder) and forwards
-them to ``tune.report``.  A trial with a report not yet forwarded is held -- not stepped;
+them to ``tune.report`` (a thin trial on another node takes the folder's files through
+Ray, :meth:`GroupTrainer.checkpoint_files`).  A trial with a report not yet forwarded is
+held -- not stepped;
 the fused step moves only the trials given batches -- so a scheduler's stop acts where it
 acts on the unfused path.  Each report's checkpoint folder is moved aside for its thin
 trial (the trial's next evaluation writes a new one) and deleted once forwarded.
@@ -142,6 +144,20 @@ class GroupTrainer:
                 seat.leaving = True
                 self.cond.notify_all()
 
+    def node_id(self) -> str:
+        """The Ray node this trainer runs on."""
+        import ray  # deferred: ray
+        return ray.get_runtime_context().get_node_id()
+
+    def checkpoint_files(self, folder: str) -> dict[str, bytes]:
+        """A report's checkpoint folder as its files (relative path -> bytes), for a thin
+        trial on another node, which cannot read this node's disk."""
+        root = Path(folder).resolve()
+        if not root.is_relative_to(self.root.resolve()):
+            raise ValueError(f"{folder} is not a checkpoint folder of this trainer")
+        return {str(p.relative_to(root)): p.read_bytes()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
     def training(self) -> list[str]:
         """The trials training here now (Tune's ids)."""
         with self.cond:
@@ -160,9 +176,7 @@ class GroupTrainer:
 
     # ------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
-        import torch  # deferred: torch
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        self._warm()
         while True:
             with self.cond:
                 now = time.time()
@@ -186,6 +200,19 @@ class GroupTrainer:
                 ids = [i for i in ids if i in self.groups[key].trials]
                 if ids:
                     self._step(key, ids)
+
+    def _warm(self) -> None:
+        """What the first trial would otherwise wait for, done as the trainer starts (while
+        the driver sets up MLflow and Tune): the trainer's imports (torch, transformers,
+        the fused trainer) and, on a GPU, the CUDA context."""
+        import torch  # deferred: torch
+
+        import mtbert.fused_training  # noqa: F401  (deferred: torch, transformers)
+        import mtbert.trainer  # noqa: F401
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")
 
     def _join(self, seat: Seat) -> None:
         from mtbert.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
