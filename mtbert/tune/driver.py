@@ -121,6 +121,7 @@ def fused_placement_line(trainers) -> str:
     Tune's loop; a trainer that restarted counts from its restart)."""
     import ray
 
+    ray.get([t.tune_ended.remote() for t in trainers])
     parts = [f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
              f"{p['largest']} at once, {p['alone']} alone (unfusable); ended "
              f"{p['finished']} finished, {p['stopped']} stopped, {p['failed']} failed, "

@@ -158,6 +158,19 @@ class GroupTrainer:
         return {str(p.relative_to(root)): p.read_bytes()
                 for p in sorted(root.rglob("*")) if p.is_file()}
 
+    def tune_ended(self, wait_s: float = 10.0) -> None:
+        """Tune's loop is over: a trial still training here was ended by Tune without a
+        word (its thin trial's process ended before its ``leave``), so it leaves now, as
+        :data:`STALE_S` would have it leave later; returns once the loop has let them go."""
+        deadline = time.time() + wait_s
+        with self.cond:
+            for seat in self.seats.values():
+                if seat.end is None:
+                    seat.leaving = True
+            self.cond.notify_all()
+            while any(s.end is None for s in self.seats.values()) and time.time() < deadline:
+                self.cond.wait(0.05)
+
     def training(self) -> list[str]:
         """The trials training here now (Tune's ids)."""
         with self.cond:
