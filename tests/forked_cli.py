@@ -25,6 +25,17 @@ from concurrent.futures import Future
 from pathlib import Path
 
 
+#: what ``python tune_driver.py`` imports before it reads its input (mtbert.tune.cli, then
+#: the driver: Ray, MLflow, Optuna, torch) and the transformers classes its checks load
+DRIVER_IMPORTS = ["mtbert.tune.cli", "mtbert.tune.driver", "transformers.models.bert",
+                  "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"]
+#: what ``python -m mtbert.train`` imports (deferred, after its argument checks; not
+#: mtbert.train itself: runpy warns when it runs a module already imported)
+TRAIN_IMPORTS = ["mtbert.config", "mtbert.pretrained", "mtbert.data", "mtbert.trainer",
+                 "mtbert.training_state", "safetensors.torch", "transformers.models.bert",
+                 "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"]
+
+
 class ForkedCli:
     """A server that has imported ``modules`` (each ``package.module``, or
     ``package:name,name`` to load a lazy package's names); :meth:`run` is ``subprocess.run`` for

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from forked_cli import ForkedCli
+from forked_cli import DRIVER_IMPORTS, ForkedCli
 
 REPO = Path(__file__).resolve().parents[1]
 #: what every case's process runs under
@@ -182,9 +182,7 @@ def _flag_pairs(args: list) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     """``python tune_driver.py`` processes forked after the driver's imports."""
-    with ForkedCli(["mtbert.tune.cli", "mtbert.tune.driver", "transformers.models.bert",
-                    "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"],
-                   tmp_path_factory.mktemp("forked-cli"), ENV, REPO) as server:
+    with ForkedCli(DRIVER_IMPORTS, tmp_path_factory.mktemp("forked-cli"), ENV, REPO) as server:
         yield server
 
 

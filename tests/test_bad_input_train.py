@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from forked_cli import ForkedCli
+from forked_cli import TRAIN_IMPORTS, ForkedCli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "max_examples=16", "--set", "batch_size=8", "--set", "eval_dev=false",
@@ -134,10 +134,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def cli(tmp_path_factory):
     """``python -m mtbert.train`` processes forked after its deferred imports."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with ForkedCli(["mtbert.config", "mtbert.pretrained", "mtbert.data", "mtbert.trainer",
-                    "mtbert.training_state", "safetensors.torch", "transformers.models.bert",
-                    "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"],
-                   tmp_path_factory.mktemp("forked-cli"), env, REPO) as server:
+    with ForkedCli(TRAIN_IMPORTS, tmp_path_factory.mktemp("forked-cli"), env, REPO) as server:
         yield server
 
 
