@@ -2,14 +2,19 @@
 MLflow, Optuna, torch and transformers): one server process imports the modules a CLI
 imports, then forks one child per command, and the child runs the command as Python
 would run it (``tune_driver.py`` as ``__main__``, or ``-m mtbert.train``), with its own
-argv, working folder, environment, stdin (/dev/null), stdout and stderr (files), and
-exits through Python's own exit (its exit code, atexit, a traceback for an uncaught
-exception).  What the imports print goes to the server's own files, and
-:class:`ForkedCli` fails where they print anything, so a command's stderr is still all a
-fresh process would print.
+argv, working folder, environment (PYTHONWARNINGS applied), stdin (/dev/null), stdout and
+stderr (files), and ends as Python ends: the exit code of its SystemExit, or the traceback
+of an uncaught exception and 1, then the atexit functions -- all but the interpreter's
+teardown of the imported modules (~1 s a command: it writes to every page the fork
+shares).  What the imports print goes to the server's own files, and :class:`ForkedCli`
+fails where they print anything, so a command's stderr is all a fresh process would print
+but for messages of that teardown.
 
-Tables of bad input (tests/test_bad_input.py, tests/test_bad_input_train.py) run their
-cases through it: a case's CLI and its checks are unchanged, only the imports are shared.
+The bad-input tables (tests/test_bad_input.py, tests/test_bad_input_train.py,
+test_trainer.py's) run their cases through it: a case's CLI and its checks are unchanged,
+only the imports are shared.  A fresh process of each CLI still runs elsewhere
+(test_tune_driver.py::test_cli_process_exit_codes, test_trainer.py::
+test_cli_writes_the_contracted_files, test_cli_startup.py).
 ``python tests/forked_cli.py FOLDER MODULE...`` is the server (ForkedCli starts it)."""
 
 from __future__ import annotations
