@@ -32,7 +32,7 @@ INTEGRATION_MODULES = {
     "test_multinode": "a two-node Ray cluster",
     "test_integration_minilm": "MiniLM on the real data",
     "test_actor_reuse": "a one-CPU Ray session",
-    "test_bad_input": "34 tune_driver.py processes, each importing Ray, MLflow and Optuna",
+    "test_bad_input": "37 tune_driver.py processes (forked after one import of their modules)",
     "test_bad_input_train": "a training, then 20 python -m mtbert.train processes",
     "test_mps_search": "a tune_driver.py search on a GPU under CUDA MPS (cuda)",
 }

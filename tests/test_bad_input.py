@@ -6,7 +6,9 @@ CLI), before Ray starts, leaving no experiment folder and no MLflow run behind.
 
 The data cases break one file of a copy of the tiny data (the driver reads and validates
 the data before it starts Ray); the space cases write one bad YAML file each.  The cases
-run in parallel (they are independent processes), so the table costs a few seconds.
+run in parallel (they are independent processes), each forked from one process that has
+imported the driver's modules once (tests/forked_cli.py), so the table costs seconds, not
+the ~4 s of imports per case.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import shutil
 import socket
 import sqlite3
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from forked_cli import DRIVER_IMPORTS, ForkedCli
 
 REPO = Path(__file__).resolve().parents[1]
+#: what every case's process runs under
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false", "RAY_ADDRESS": ""}
 
 
 def _free_port() -> int:
@@ -174,7 +179,14 @@ def _flag_pairs(args: list) -> dict[str, object]:
     return {args[i]: args[i + 1] for i in range(0, len(args), 2)}
 
 
-def _run_case(case: Case, root: Path, model: str, tiny_data: str) -> dict:
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """``python tune_driver.py`` processes forked after the driver's imports."""
+    with ForkedCli(DRIVER_IMPORTS, tmp_path_factory.mktemp("forked-cli"), ENV, REPO) as server:
+        yield server
+
+
+def _run_case(cli: ForkedCli, case: Case, root: Path, model: str, tiny_data: str) -> dict:
     root.mkdir(parents=True)
     data = Path(tiny_data)
     if case.data is not None:
@@ -204,21 +216,19 @@ def _run_case(case: Case, root: Path, model: str, tiny_data: str) -> dict:
         else:
             flags[flag] = value.format(**subst)
     argv = [a for kv in flags.items() for a in kv]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "RAY_ADDRESS": ""}
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "tune_driver.py", *argv], cwd=REPO,
-                         capture_output=True, text=True, env=env, timeout=180)
+    out = cli.run([sys.executable, "tune_driver.py", *argv], cwd=REPO, env=ENV, timeout=180)
     return {"rc": out.returncode, "stderr": out.stderr, "stdout": out.stdout,
             "seconds": time.perf_counter() - start, "storage": storage, "db": db,
             "expected": [e.format(**subst) for e in case.expected]}
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, tiny_model_dir, tiny_data_dir):
+def outcomes(cli, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     root = tmp_path_factory.mktemp("bad-input")
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {c.id: pool.submit(_run_case, c, root / c.id, tiny_model_dir, tiny_data_dir)
+        futures = {c.id: pool.submit(_run_case, cli, c, root / c.id, tiny_model_dir,
+                                     tiny_data_dir)
                    for c in CASES}
         return {cid: f.result() for cid, f in futures.items()}
 
@@ -253,17 +263,16 @@ def test_bad_input_exits_2_with_one_clear_line_and_nothing_written(outcomes, cas
     ("", "is not valid JSON"),
     ("{\"args\": {}, \"space_path\": \"x.yaml\"}", "has no 'space' (dict)"),
 ])
-def test_resume_with_a_damaged_settings_file(tmp_path, content, expected):
+def test_resume_with_a_damaged_settings_file(cli, tmp_path, content, expected):
     """``--resume`` of a search whose saved settings are damaged: one line naming the
     file, exit 2, the file left as it was."""
     exp = tmp_path / "ray_results" / "damaged"
     exp.mkdir(parents=True)
     settings = exp / "mtbert_search.json"
     settings.write_text(content, encoding="utf-8")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
-    out = subprocess.run([sys.executable, "tune_driver.py", "--resume", "--experiment", "damaged",
-                          "--storage-path", str(tmp_path / "ray_results")], cwd=REPO,
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = cli.run([sys.executable, "tune_driver.py", "--resume", "--experiment", "damaged",
+                   "--storage-path", str(tmp_path / "ray_results")], cwd=REPO,
+                  env={**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}, timeout=120)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
     assert lines[0].startswith(f"error: --resume: {settings}") and expected in lines[0]

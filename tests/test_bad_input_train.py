@@ -7,7 +7,8 @@ existing one (``--resume``) exactly as it was. The classes of bad input: a damag
 CS 224N file, a damaged model folder, a damaged or foreign checkpoint, an unusable
 ``--out`` or token cache, a non-finite number (more kinds of each, in-process and so
 cheaper: test_data.py, test_model.py, test_trainer.py, test_input_properties.py). The
-cases run in parallel (independent processes): about a minute of CPU in all.
+cases run in parallel (independent processes), each forked from one process that has
+imported torch, transformers and the trainer once (tests/forked_cli.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from forked_cli import TRAIN_IMPORTS, ForkedCli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "max_examples=16", "--set", "batch_size=8", "--set", "eval_dev=false",
@@ -129,7 +130,16 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             for p in folder.rglob("*")}
 
 
-def _run_case(case: Case, root: Path, model: str, data: str, trained_run: Path) -> dict:
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """``python -m mtbert.train`` processes forked after its deferred imports."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with ForkedCli(TRAIN_IMPORTS, tmp_path_factory.mktemp("forked-cli"), env, REPO) as server:
+        yield server
+
+
+def _run_case(cli: ForkedCli, case: Case, root: Path, model: str, data: str,
+              trained_run: Path) -> dict:
     root.mkdir(parents=True)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "config.yaml").write_text("dropout: .inf\n")
@@ -154,8 +164,8 @@ def _run_case(case: Case, root: Path, model: str, data: str, trained_run: Path) 
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "MTBERT_CACHE": str(root / "cache"),
            **{k: v.format(**subst) for k, v in case.env.items()}}
-    proc = subprocess.run([sys.executable, "-m", "mtbert.train", *argv], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = cli.run([sys.executable, "-m", "mtbert.train", *argv], cwd=REPO, env=env,
+                   timeout=300)
     return {"rc": proc.returncode, "stderr": proc.stderr, "out": out, "before": before,
             "after": _snapshot(out), "expected": [e.format(**subst) for e in case.expected]}
 
@@ -184,11 +194,11 @@ def trained_run(tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, tiny_model_dir, tiny_data_dir, trained_run):
+def outcomes(cli, tmp_path_factory, tiny_model_dir, tiny_data_dir, trained_run):
     root = tmp_path_factory.mktemp("bad-train-input")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {c.id: pool.submit(_run_case, c, root / c.id, tiny_model_dir, tiny_data_dir,
-                                     trained_run) for c in CASES}
+        futures = {c.id: pool.submit(_run_case, cli, c, root / c.id, tiny_model_dir,
+                                     tiny_data_dir, trained_run) for c in CASES}
         return {cid: f.result() for cid, f in futures.items()}
 
 
@@ -213,7 +223,7 @@ def test_bad_input_exits_2_with_one_error_line_and_nothing_written(outcomes, cas
 
 
 def test_a_stray_quote_within_tolerance_is_skipped_with_a_warning_and_the_run_trains(
-        tmp_path, tiny_model_dir, tiny_data_dir):
+        cli, tmp_path, tiny_model_dir, tiny_data_dir):
     """The issue's case 1 as a user meets it: one bad line among 60, default tolerance 0.1 %
     of 60 = 0 rows, so the run needs bad_row_tolerance=0.02 (1 row) to go on: it exits 0,
     warns naming the file and line, and trains on the other 59 rows."""
@@ -223,10 +233,10 @@ def test_a_stray_quote_within_tolerance_is_skipped_with_a_warning_and_the_run_tr
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "MTBERT_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "mtbert.train", "--data-dir", str(data),
-                           "--out", str(out), "--set", f"model={tiny_model_dir}", *FAST,
-                           "--set", "bad_row_tolerance=0.02", "--set", "val_fraction=0.5"],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    proc = cli.run([sys.executable, "-m", "mtbert.train", "--data-dir", str(data),
+                    "--out", str(out), "--set", f"model={tiny_model_dir}", *FAST,
+                    "--set", "bad_row_tolerance=0.02", "--set", "val_fraction=0.5"],
+                   cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (f"skipping bad row (within tolerance 0.02): {data}/sts-train.csv, line 50: a quoted "
             "field opens and does not close on this line") in proc.stderr

@@ -4,6 +4,7 @@ the CLI writes its files and refuses bad input with exit 2."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -256,8 +257,22 @@ def test_resume_of_a_foreign_or_damaged_checkpoint_names_the_file_and_setting(ti
 
 
 def run_cli(*args, cwd=None):
+    """A fresh ``python -m mtbert.train`` process."""
     return subprocess.run([sys.executable, "-m", "mtbert.train", *args], capture_output=True,
                           text=True, cwd=cwd or REPO_ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def forked_cli(tmp_path_factory):
+    """``python -m mtbert.train`` processes forked after its imports (tests/forked_cli.py):
+    the bad-input cases below, each a process without the seconds of torch and
+    transformers imports (test_cli_writes_the_contracted_files runs a fresh one)."""
+    from forked_cli import TRAIN_IMPORTS, ForkedCli
+
+    with ForkedCli(TRAIN_IMPORTS, tmp_path_factory.mktemp("forked-cli"), dict(os.environ),
+                   REPO_ROOT) as server:
+        yield lambda *args: server.run([sys.executable, "-m", "mtbert.train", *args],
+                                       cwd=REPO_ROOT, env=dict(os.environ), timeout=300)
 
 
 def test_cli_writes_the_contracted_files(tiny_model_dir, tiny_data_dir, tmp_path):
@@ -281,16 +296,18 @@ def test_cli_writes_the_contracted_files(tiny_model_dir, tiny_data_dir, tmp_path
     (["--set", "model=/no/such/model"], "no such model folder"),
     (["--config", "/no/such.yaml"], "cannot read config file"),
 ])
-def test_cli_bad_input_exits_2_and_writes_nothing(tiny_model_dir, tiny_data_dir, tmp_path, extra, fragment):
+def test_cli_bad_input_exits_2_and_writes_nothing(forked_cli, tiny_model_dir, tiny_data_dir,
+                                                   tmp_path, extra, fragment):
     out = tmp_path / "run"
-    result = run_cli("--data-dir", tiny_data_dir, "--out", str(out), "--set",
+    result = forked_cli("--data-dir", tiny_data_dir, "--out", str(out), "--set",
                      f"model={tiny_model_dir}", *extra)
     assert result.returncode == 2
     assert fragment in result.stderr and result.stderr.count("error:") == 1
     assert not out.exists()
 
 
-def test_cli_bad_data_file_exits_2_naming_file_and_line(tiny_model_dir, tiny_data_dir, tmp_path):
+def test_cli_bad_data_file_exits_2_naming_file_and_line(forked_cli, tiny_model_dir,
+                                                         tiny_data_dir, tmp_path):
     import shutil
     data = tmp_path / "data"
     shutil.copytree(tiny_data_dir, data)
@@ -298,7 +315,8 @@ def test_cli_bad_data_file_exits_2_naming_file_and_line(tiny_model_dir, tiny_dat
     lines[5] = lines[5].rsplit("\t", 1)[0] + "\t7.5"
     (data / "sts-train.csv").write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
-    result = run_cli("--data-dir", str(data), "--out", str(out), "--set", f"model={tiny_model_dir}")
+    result = forked_cli("--data-dir", str(data), "--out", str(out), "--set",
+                        f"model={tiny_model_dir}")
     assert result.returncode == 2
     assert f"{data / 'sts-train.csv'}, line 6: similarity='7.5'" in result.stderr
     assert not out.exists()
