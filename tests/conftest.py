@@ -144,6 +144,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-bert")))
 
 
+#: a space whose STS loss weight overflows float32 in some trials (the NaN-trial tests)
+NAN_SPACE = """\
+description: one STS loss weight overflows float32 (inf loss, then NaN weights)
+params:
+  loss_weighting: fixed
+  w_sts: {choice: [1.0, 1.0e300]}
+  lr: 1.0e-3
+  warmup_ratio: 0.0
+"""
+
 POSITIVE = ["great", "wonderful", "superb", "delightful", "brilliant"]
 NEGATIVE = ["awful", "terrible", "dreadful", "boring", "horrible"]
 NEUTRAL = ["a film", "the movie", "this story", "the plot", "its cast"]

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 
+from conftest import NAN_SPACE
 from ray_cluster import LocalRayCluster, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,15 +408,6 @@ def test_ctrl_c_during_a_promoting_asha_search_then_resume_finishes_it(tmp_path,
 
 
 # ---------------------------------------------------------------------- NaN loss
-NAN_SPACE = """\
-description: one STS loss weight overflows float32 (inf loss, then NaN weights)
-params:
-  loss_weighting: fixed
-  w_sts: {choice: [1.0, 1.0e300]}
-  lr: 1.0e-3
-  warmup_ratio: 0.0
-"""
-
 
 def test_ctrl_c_reports_interrupted_trials_and_resume_finishes_them(tmp_path, tiny_model_dir,
                                                                    tiny_data_dir):

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import NAN_SPACE
 
 SMOKE_MAX = 192
 NUM_TRIALS = 4
@@ -36,15 +37,8 @@ NUM_TRIALS = 4
 #: 1, 1, 1 in order, two at once -- the NaN trial fuses with a healthy one, which trains
 #: on; each later one starts as one ends, so Ctrl-C finds one ended and one training
 SEED = 2
-NAN_SPACE = """\
-description: one STS loss weight overflows float32 (inf loss, then NaN weights)
-params:
-  loss_weighting: fixed
-  w_sts: {choice: [1.0, 1.0e300]}
-  lr: 1.0e-3
-  warmup_ratio: 0.0
-  batch_size: 4
-"""
+#: conftest's NaN space at batch 4 (more steps per trial: time for Ctrl-C to find one training)
+FUSED_NAN_SPACE = NAN_SPACE + "  batch_size: 4\n"
 
 
 def _runs(db: Path) -> dict[str, dict]:
@@ -106,7 +100,7 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     from mtbert.tune.trial.group_trainer import TRAINER_PREFIX
 
     root = tmp_path_factory.mktemp("fused-faults")
-    (root / "nan.yaml").write_text(NAN_SPACE, encoding="utf-8")
+    (root / "nan.yaml").write_text(FUSED_NAN_SPACE, encoding="utf-8")
     storage, db = root / "ray_results", root / "mlflow.db"
     common = ["--experiment", "faults", "--storage-path", str(storage)]
     out = {"db": db, "exp_dir": storage / "faults", "at_interrupt": {}, "killed": [],
