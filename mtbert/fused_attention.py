@@ -21,8 +21,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-#: the name the fused encoder's attention is registered under with transformers
-BATCHED_ATTENTION = "mtbert_batched_math"
+from mtbert.model import BATCHED_ATTENTION  # the name it is registered under
 
 
 def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,

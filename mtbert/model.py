@@ -33,9 +33,11 @@ from mtbert.data import encoding_for
 from mtbert.pretrained import load_encoder
 from mtbert.tasks import TASKS
 
+#: the name :mod:`mtbert.fused_attention` registers the fused encoder's CPU attention under
+BATCHED_ATTENTION = "mtbert_batched_math"
 #: attention implementations handed the 4-D boolean mask as it is (the fused encoder's
-#: on the CPU, :mod:`mtbert.fused_attention`, takes SDPA's)
-FOUR_D_MASK = ("sdpa", "mtbert_batched_math")
+#: on the CPU takes SDPA's)
+FOUR_D_MASK = ("sdpa", BATCHED_ATTENTION)
 STS_BINS = 6  # rounded similarity scores 0, 1, ..., 5
 #: sts_cosine_map -> (s, t) of score = s·cos + t at the start
 COSINE_MAPS = {"affine": (5.0, 0.0), "scaled": (5.0, 0.0), "report002": (2.5, 2.5)}
