@@ -37,24 +37,28 @@ NUM_TRIALS = 4
 #: 1, 1, 1 in order, two at once -- the NaN trial fuses with a healthy one, which trains
 #: on; each later one starts as one ends, so Ctrl-C finds one ended and one training
 SEED = 2
-#: conftest's NaN space at batch 4 (more steps per trial: time for Ctrl-C to find one training)
-FUSED_NAN_SPACE = NAN_SPACE + "  batch_size: 4\n"
+#: conftest's NaN space at batch 2 (more steps per trial: time for Ctrl-C to find one training)
+FUSED_NAN_SPACE = NAN_SPACE + "  batch_size: 2\n"
 
 
 def _runs(db: Path) -> dict[str, dict]:
-    """trial id -> {run_id, status, examples_seen}, read-only from the SQLite store."""
+    """trial id -> {run_id, status, examples_seen, w_sts}, read-only from the SQLite store
+    (a trial's run and its params are there from its start; Tune's params.json only
+    from its first report)."""
     if not db.exists():
         return {}
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
             rows = conn.execute(
                 "select r.run_uuid, r.status, t.value, (select max(m.value) from metrics m "
-                "where m.run_uuid = r.run_uuid and m.key = 'examples_seen') from runs r join "
+                "where m.run_uuid = r.run_uuid and m.key = 'examples_seen'), (select p.value from "
+                "params p where p.run_uuid = r.run_uuid and p.key = 'w_sts') from runs r join "
                 "tags t on t.run_uuid = r.run_uuid and t.key = 'trial_id'").fetchall()
     except sqlite3.OperationalError:  # tables not created yet / busy
         return {}
-    return {tid: {"run_id": run, "status": status, "examples_seen": int(seen or 0)}
-            for run, status, tid, seen in rows}
+    return {tid: {"run_id": run, "status": status, "examples_seen": int(seen or 0),
+                  "w_sts": float(w_sts) if w_sts else None}
+            for run, status, tid, seen, w_sts in rows}
 
 
 def _steps(db: Path, run_id: str) -> list[int]:
@@ -106,9 +110,8 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     out = {"db": db, "exp_dir": storage / "faults", "at_interrupt": {}, "killed": [],
            "checkpointed": set()}
 
-    def healthy(tid: str) -> bool:  # a trial of w_sts 1
-        params = out["exp_dir"] / f"trial_{tid}" / "params.json"
-        return params.is_file() and json.loads(params.read_text())["w_sts"] == 1.0
+    def healthy(runs: dict[str, dict]) -> set[str]:  # the trials of w_sts 1
+        return {tid for tid, run in runs.items() if run["w_sts"] == 1.0}
 
     def in_trainer() -> tuple | None:
         """The trainer and the trials training in it (None before it starts)."""
@@ -123,9 +126,11 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     # no-op put here
     def ended_and_training():
         found = in_trainer()
-        if not (found and any(map(healthy, found[1]))):
+        if not found:
             return None
         runs = _runs(db)
+        if not healthy(runs) & set(found[1]):
+            return None
         return runs if any(r["status"] == "FINISHED" for r in runs.values()) else None
 
     def interrupt(runs):
@@ -161,7 +166,7 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
     def kill(found):
         trainer, ids = found
-        ready = {t for t in ids if healthy(t) and checkpointed(t, resumed_at)}
+        ready = {t for t in healthy(_runs(db)) & set(ids) if checkpointed(t, resumed_at)}
         if not ready:
             return False
         out["killed"], out["checkpointed"] = ids, ready
