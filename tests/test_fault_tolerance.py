@@ -56,8 +56,10 @@ def _cmd(model: str, data: str, storage: Path | str, db: Path | None, experiment
 def _start_driver(cluster, log: Path, cmd: list[str]) -> subprocess.Popen:
     """``python tune_driver.py ...`` attached to the test cluster, output to ``log``."""
     with open(log, "w") as fh:
-        return subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=fh,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=fh,
                                 stderr=subprocess.STDOUT)
+    proc.log_path = log  # _wait_for shows its tail if the driver ends too soon
+    return proc
 
 
 def _trial_runs(db: Path) -> dict[str, dict]:
@@ -127,7 +129,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str,
         if value:
             return value
         if proc.poll() is not None:
-            raise AssertionError(f"the driver ended ({proc.returncode}) before {what}")
+            tail = _log(proc.log_path) if hasattr(proc, "log_path") else ""
+            raise AssertionError(f"the driver ended ({proc.returncode}) before {what}:\n{tail}")
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
 

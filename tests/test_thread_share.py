@@ -108,11 +108,32 @@ def test_a_trial_grows_into_the_cpu_its_ended_partner_held(shared_ray, tiny_mode
     from mtbert.data import load_data
     from mtbert.tune.trial.trainable import train_trial
 
-    short, long = 400, 4_000
+    # The long trial goes on until 3 checks after its partner's last report (the stopper
+    # below), so a partner that Ray starts late on a loaded machine still leaves time to
+    # grow; 40,000 examples is only its cap.
+    short, long = 400, 40_000
     base = dict(model=tiny_model_dir, data_dir=tiny_data_dir, batch_size=8, epochs=1000,
                 eval_batch_size=32, max_length=32, progress=False, threads=1, lr=1e-3,
                 device="cpu", eval_every=400, eval_dev=False)
     data = load_data(TrainConfig(**base, max_examples=long))
+
+    class AfterThePartner(tune.Stopper):
+        """Stops the long trial once it has reported 3 checks past the short one's end."""
+
+        def __init__(self):
+            self.partner_ended_at = None
+
+        def __call__(self, trial_id, result) -> bool:
+            at = result["time/reported_at"]
+            if result["config"]["max_examples"] == short:
+                if result["examples_seen"] >= short:
+                    self.partner_ended_at = at
+                return False
+            return self.partner_ended_at is not None and \
+                at > self.partner_ended_at + 3 * CHECK_EVERY_S
+
+        def stop_all(self) -> bool:
+            return False
 
     def search(name: str, grow: bool):
         trainable = tune.with_resources(
@@ -121,7 +142,8 @@ def test_a_trial_grows_into_the_cpu_its_ended_partner_held(shared_ray, tiny_mode
         grid = tune.Tuner(
             trainable, param_space={"max_examples": tune.grid_search([short, long])},
             tune_config=tune.TuneConfig(reuse_actors=False, max_concurrent_trials=2),
-            run_config=tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0)).fit()
+            run_config=tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0,
+                                      stop=AfterThePartner())).fit()
         assert grid.num_errors == 0, [str(r.error) for r in grid if r.error]
         by_length = {r.config["max_examples"]: r.metrics_dataframe for r in grid}
         return by_length[short], by_length[long]
