@@ -211,6 +211,38 @@ def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent
     reports, end = _drain(trainer, "held", 1)  # forwarded: it trains on to its end
     assert end == {"reason": "finished"} and reports[-1][0]["examples_seen"] >= 96
     placement = ray.get(trainer.placement.remote())
-    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1,
+    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1, "grouped": 0,
                          "finished": 2, "stopped": 1, "failed": 0, "training": 0}
+    ray.kill(trainer)
+
+
+def test_a_trial_that_rejoins_before_it_left_leaves_its_earlier_run_behind(
+        shared_ray, tiny_config):
+    """A trial joins again while its earlier join still trains (Tune resumed it from a
+    pause, or retried it, before its thin trial's ``leave`` arrived): the earlier run leaves
+    the group (it would otherwise stay there, never stepped, its weights in every fused
+    step), the new one trains to its end, and nothing is left in the trainer's groups."""
+    import time
+
+    import ray
+
+    from mtbert.data import load_data
+    from mtbert.tune.trial.group_trainer import GroupTrainer
+
+    cfg = tiny_config(dropout=0.0, eval_dev=False, max_examples=96, eval_every=48)
+    trainer = ray.remote(GroupTrainer).options(num_cpus=0, max_concurrency=4).remote(
+        load_data(cfg), 1)
+    ray.get(trainer.join.remote("t", cfg.to_dict()))
+    deadline = time.time() + 60
+    while not ray.get(trainer.poll.remote("t", 0))[0] and time.time() < deadline:
+        time.sleep(0.05)  # its first report (0 examples): it is in its group, held there
+    assert ray.get(trainer.placement.remote())["grouped"] == 1
+    ray.get(trainer.join.remote("t", cfg.to_dict()))  # no leave before it
+    reports, end = _drain(trainer, "t", 0)
+    assert end == {"reason": "finished"}
+    assert [r["examples_seen"] for r, _ in reports][0] == 0 and reports[-1][0][
+        "examples_seen"] >= 96
+    placement = ray.get(trainer.placement.remote())
+    assert (placement["trials"], placement["grouped"], placement["largest"]) == (2, 0, 1)
+    assert placement["finished"] == 1 and placement["training"] == 0
     ray.kill(trainer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def run_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     def run(name: str, *flags: str, trials: int = 2) -> dict:
         root = tmp_path_factory.mktemp(name)
         storage, uri = root / "ray_results", f"sqlite:///{root / 'mlflow.db'}"
-        with contextlib.redirect_stdout(io.StringIO()):
+        console = io.StringIO()
+        with contextlib.redirect_stdout(console):
             rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
                        "--data-dir", tiny_data_dir, "--num-samples", str(trials),
                        "--storage-path", str(storage), "--experiment", name,
@@ -42,6 +44,7 @@ def run_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
         client = MlflowClient(tracking_uri=uri)
         runs = client.search_runs([client.get_experiment_by_name("mtbert/smoke").experiment_id])
         return {"exp_dir": exp_dir, "client": client, "runs": runs,
+                "console": console.getvalue(),
                 "summary": json.loads((exp_dir / "summary.json").read_text()),
                 "ray": ExperimentAnalysis(str(exp_dir), default_metric="val/overall",
                                           default_mode="max")}
@@ -162,7 +165,24 @@ def test_pbt_exploit_changes_lr_and_dropout(run_search):
     so PBT's decisions, are fixed): at an interval (48 examples) the worse trial restarts
     from the better one's checkpoint with a perturbed lr and dropout; the change reaches
     Ray's trial config, its MLflow history (config/*) and PBT's policy log."""
-    search = run_search("pbt", "--scheduler", "pbt", "--cpus-per-trial", "2")
+    _assert_exploited(run_search("pbt", "--scheduler", "pbt", "--cpus-per-trial", "2"))
+
+
+def test_pbt_on_the_fused_path_exploits_as_unfused(run_search):
+    """The same PBT search with ``--fuse on``: the trials train in a trainer actor (the
+    thin trials forward its reports) and PBT's pause, exploit and restore act on them as on
+    the unfused path: the exploited trial rejoins from the better one's checkpoint and
+    trains at its perturbed lr; every trial trains its whole budget."""
+    search = run_search("pbt-fused", "--scheduler", "pbt", "--fuse", "on")
+    _assert_exploited(search)
+    placed = re.search(r"\[tune\] fused: trainer 0: (\d+) trials .* ended (\d+) finished, "
+                       r"\d+ stopped, (\d+) failed", search["console"])
+    assert placed, search["console"][-3000:]
+    joins, finished, failed = map(int, placed.groups())
+    assert finished == 2 and failed == 0 and joins > 2  # each pause and exploit rejoins
+
+
+def _assert_exploited(search: dict) -> None:
     _assert_recorded(search, "pbt", "random", 2)
     exp_dir, client = search["exp_dir"], search["client"]
     assert (exp_dir / "pbt_global.txt").read_text().strip(), "PBT logged no exploit"

@@ -77,6 +77,7 @@ class GroupTrainer:
         self.threads = threads
         self.stale_s = stale_s
         self.seats: dict[str, Seat] = {}     # Tune trial id -> its latest join
+        self.departing: list[Seat] = []      # earlier joins of re-joined trials, leaving
         self.groups: dict[tuple, Any] = {}   # fuse_key -> FusedGroup
         self.joins = 0
         self.largest = 0                     # most trials one group held at once
@@ -97,11 +98,13 @@ class GroupTrainer:
 
     def join(self, trial_id: str, cfg_values: dict, restore=None) -> None:
         """Trial ``trial_id`` trains here (from ``restore``, a tune.Checkpoint, if given);
-        a seat it held before (a retry) is ended first."""
+        a seat it held before and still trains (a retry, or a trial Tune paused and resumes
+        before this trainer heard it leave) leaves its group first."""
         with self.cond:
             old = self.seats.get(trial_id)
             if old is not None and old.end is None:
                 old.leaving = True
+                self.departing.append(old)  # the loop finds it there, no longer in seats
             self.joins += 1
             out_dir = self.root / trial_id / f"join-{self.joins}"
             self.seats[trial_id] = Seat(TrainConfig.from_dict(cfg_values), restore, out_dir,
@@ -178,12 +181,14 @@ class GroupTrainer:
 
     def placement(self) -> dict[str, int]:
         """What this trainer trained: trials joined, groups formed, the largest group, the
-        trials trained alone; how their latest joins ended (finished, failed, stopped: Tune
-        ended them or their thin trial went silent) or not yet (training)."""
+        trials trained alone, the trials in its groups now; how their latest joins ended
+        (finished, failed, stopped: Tune ended them or their thin trial went silent) or not
+        yet (training)."""
         with self.cond:
             ends = [s.end["reason"] if s.end else "training" for s in self.seats.values()]
             return {"trials": self.joins, "groups": self.formed, "largest": self.largest,
                     "alone": self.alone,
+                    "grouped": sum(len(g.trials) for g in list(self.groups.values())),
                     **{reason: ends.count(reason)
                        for reason in ("finished", "failed", "stopped", "training")}}
 
@@ -196,7 +201,9 @@ class GroupTrainer:
                 for seat in self.seats.values():
                     if seat.end is None and now - seat.seen_at > self.stale_s:
                         seat.leaving = True
-                leaving = [s for s in self.seats.values() if s.leaving and s.end is None]
+                self.departing = [s for s in self.departing if s.end is None]
+                leaving = [s for s in (*self.seats.values(), *self.departing)
+                           if s.leaving and s.end is None]
                 joining = [s for s in self.seats.values()
                            if s.key is None and s.end is None and not s.leaving]
                 stepping = {key: [s.gid for s in self.seats.values()
@@ -290,7 +297,7 @@ class GroupTrainer:
             del self.groups[key]
         else:
             ended = {gid: _how(end) for gid, end in ended.items()}
-        by_gid = {s.gid: s for s in self.seats.values()}
+        by_gid = {s.gid: s for s in (*self.seats.values(), *self.departing)}
         for gid, how in ended.items():
             if gid in by_gid:
                 self._ended(by_gid[gid], how)
