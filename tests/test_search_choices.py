@@ -123,7 +123,8 @@ def test_asha_promote_search_promotes_the_top_third(run_search):
             at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/classes_soft"]
         threads[trial_id] = df.set_index("examples_seen")["train/threads"].to_dict()
     winner = completed[0]["trial_id"]
-    assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2
+    assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2, \
+        (winner, at_rung, unreported, trials)
     # the last leg: both places' CPUs, unless the last promotion stopped a queued trial
     last_leg = threads[winner][max(threads[winner])]
     assert last_leg == 2 or (last_leg == 1 and unreported)
