@@ -64,16 +64,19 @@ def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
     assert failed.best_checkpoint is None and failed.best_score == float("-inf")
 
 
-def _ray_result(tmp_path: Path, tid: str, scores: list[float], error=None, config=None):
+def _ray_result(tmp_path: Path, tid: str, scores: list[float], error=None, config=None,
+                timings=None):
     """A Ray ``Result`` as Tune leaves it: a trial folder with checkpoint folders (each with
-    its metrics.json), the result log as a DataFrame, the best checkpoints Ray lists."""
+    its metrics.json), the result log as a DataFrame, the best checkpoints Ray lists.
+    ``timings``: each report's ``time/*`` values (the run it came from)."""
     from ray.tune import Checkpoint, Result
     trial_dir = tmp_path / f"trial_{tid}"
     rows, best = [], []
     for i, score in enumerate(scores):
         seen = 48 * (i + 1)
         metrics = {"trial_id": tid, "examples_seen": seen, OBJECTIVE: score,
-                   "val/sst_acc": score / 2, "training_iteration": i + 1}
+                   "val/sst_acc": score / 2, "training_iteration": i + 1,
+                   **(timings[i] if timings else {})}
         rows.append(metrics)
         ckpt = trial_dir / f"checkpoint_{i:06d}"
         ckpt.mkdir(parents=True)
@@ -336,3 +339,22 @@ def test_the_first_trial_ready_counts_only_this_loops_trials():
     assert "ready" not in phases_line(phases)
     assert "Tune's loop 1 min 20 s (the first trial ready 14 s into it)," in phases_line(
         {**phases, "first_ready_s": 14.0})
+
+
+def test_the_first_trial_ready_is_its_first_run_when_its_best_came_after_a_resume(tmp_path):
+    """A trial paused at a rung and resumed reports from two runs; its best is from the
+    second.  The trial records keep every report's entry and start-up, and the loop's
+    first trial ready is the first run's (not the later run its best names)."""
+    first_run = {"time/entered_at": 1002.0, "time/startup_s": 3.0}
+    resumed = {"time/entered_at": 1130.0, "time/startup_s": 4.0}
+    paused = _ray_result(tmp_path, "p", [0.40, 0.55], timings=[first_run, resumed])
+    later = _ray_result(tmp_path, "q", [0.42], timings=[
+        {"time/entered_at": 1010.0, "time/startup_s": 6.0}])
+    records = collect_trials([paused, later], MAX, RUNGS)
+    by_id = {r.trial_id: r for r in records}
+    assert by_id["p"].best["time/entered_at"] == 1130.0          # the best: the resumed run
+    assert [(h["time/entered_at"], h["time/startup_s"]) for h in by_id["p"].history] == [
+        (1002.0, 3.0), (1130.0, 4.0)]
+    rows = [row for r in records for row in (*r.history, r.best)]
+    assert first_ready_s(rows, 1000.0) == 5.0
+    assert first_ready_s([r.best for r in records], 1000.0) == 16.0  # bests alone: q's

@@ -157,8 +157,12 @@ def _history_row(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _kept_in_history(key: str) -> bool:
-    return key.startswith(("val/", "train/")) or key in ("examples_seen", "timestamp",
-                                                        "training_iteration")
+    # time/entered_at and time/startup_s: when each of the trial's runs began and got its
+    # Trainer ready (a paused and resumed trial has one run per resume; its best result
+    # names only the run that reported it)
+    return key.startswith(("val/", "train/")) or key in (
+        "examples_seen", "timestamp", "training_iteration", "time/entered_at",
+        "time/startup_s")
 
 
 def _one_row_per_point(history: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -62,12 +62,14 @@ def phases_line(p: dict[str, float]) -> str:
             f"finalists, ensemble and report {duration(p['finish_s'])}")
 
 
-def first_ready_s(bests: Iterable[dict[str, float]], tune_started_at: float) -> float | None:
+def first_ready_s(rows: Iterable[dict[str, float]], tune_started_at: float) -> float | None:
     """Seconds into Tune's loop at which the first of its trials had its Trainer ready
     (``time/entered_at`` + ``time/startup_s`` of their reports): how long the loop waited
-    for its first worker to start.  None where no trial entered within this loop (the
+    for its first worker to start.  ``rows``: every report kept of every trial (their
+    histories, not only their bests: a trial paused at a rung and resumed has its best
+    from a later run than its first).  None where no trial entered within this loop (the
     trials of an earlier search or run have earlier entries)."""
-    ready = [b["time/entered_at"] + b["time/startup_s"] - tune_started_at for b in bests
+    ready = [b["time/entered_at"] + b["time/startup_s"] - tune_started_at for b in rows
              if "time/startup_s" in b and b.get("time/entered_at", 0.0) >= tune_started_at]
     return min(ready) if ready else None
 
