@@ -316,8 +316,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
         summary = summary.with_public_paths(location.public, stored)
     if phases:
         now = time.time()
-        ready = first_ready_s((row for r in records for row in (*r.history, r.best)),
-                              phases["tune_started_at"])
+        ready = first_ready_s(records, phases["tune_started_at"])
         summary = dataclasses.replace(summary, phases={
             **phases, "finish_s": now - phases["tune_ended_at"],
             "total_s": now - phases["started_at"],

@@ -62,15 +62,16 @@ def phases_line(p: dict[str, float]) -> str:
             f"finalists, ensemble and report {duration(p['finish_s'])}")
 
 
-def first_ready_s(rows: Iterable[dict[str, float]], tune_started_at: float) -> float | None:
+def first_ready_s(records: Iterable[TrialRecord], tune_started_at: float) -> float | None:
     """Seconds into Tune's loop at which the first of its trials had its Trainer ready
     (``time/entered_at`` + ``time/startup_s`` of their reports): how long the loop waited
-    for its first worker to start.  ``rows``: every report kept of every trial (their
-    histories, not only their bests: a trial paused at a rung and resumed has its best
-    from a later run than its first).  None where no trial entered within this loop (the
-    trials of an earlier search or run have earlier entries)."""
-    ready = [b["time/entered_at"] + b["time/startup_s"] - tune_started_at for b in rows
-             if "time/startup_s" in b and b.get("time/entered_at", 0.0) >= tune_started_at]
+    for its first worker to start.  Every report kept of each trial counts (its history
+    and its best: a trial paused at a rung and resumed has its best from a later run than
+    its first).  None where no trial entered within this loop (the trials of an earlier
+    search or run have earlier entries)."""
+    ready = [row["time/entered_at"] + row["time/startup_s"] - tune_started_at
+             for r in records for row in (*r.history, r.best)
+             if "time/startup_s" in row and row.get("time/entered_at", 0.0) >= tune_started_at]
     return min(ready) if ready else None
 
 
