@@ -35,6 +35,7 @@ INTEGRATION_MODULES = {
     "test_bad_input": "37 tune_driver.py processes (forked after one import of their modules)",
     "test_bad_input_train": "a training, then 20 python -m mtbert.train processes",
     "test_mps_search": "a tune_driver.py search on a GPU under CUDA MPS (cuda)",
+    "test_installed": "mtbert-tune processes from other folders; a wheel built and installed",
 }
 INTEGRATION_TESTS = {
     "test_gpu_packing.py::test_trials_share_the_gpus_of_a_cluster_by_default":

@@ -21,7 +21,7 @@ from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEE
 from mtbert.tune.infra.mps import CHOICES as MPS_CHOICES
 from mtbert.tune.trial.objective import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
 from mtbert.tune.settings import FUSE_CHOICES, resolve_settings, resume_command
-from mtbert.tune.search.spaces import list_spaces
+from mtbert.tune.search.spaces import default_spaces_dir, list_spaces
 
 
 class DriverArgumentParser(argparse.ArgumentParser):
@@ -200,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_environment()
     if args.list_spaces:
-        for name, description in list_spaces():
+        spaces = list_spaces()
+        if not spaces:
+            print(f"error: --list-spaces: no search space found (no *.yaml in "
+                  f"{default_spaces_dir()}; the package was installed without its spaces)",
+                  file=sys.stderr)
+            return 2
+        for name, description in spaces:
             print(f"{name:<10} {description}")
         return 0
     settings = None

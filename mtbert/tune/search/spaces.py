@@ -51,9 +51,11 @@ class SpaceError(ConfigError):
 
 
 def default_spaces_dir() -> Path:
-    """``search_spaces/`` beside the package (the repository root), else ./search_spaces."""
-    here = Path(__file__).resolve().parents[2] / "search_spaces"
-    return here if here.is_dir() else Path("search_spaces").resolve()
+    """The named spaces: ``mtbert/search_spaces/`` of the installed package (in a checkout,
+    a link to the top-level ``search_spaces/``; in a wheel, its package data), wherever the
+    command runs."""
+    package = Path(__file__).resolve().parents[2]  # mtbert/tune/search/spaces.py -> mtbert/
+    return package / "search_spaces"
 
 
 @dataclass(frozen=True)
