@@ -139,7 +139,7 @@ def _drain(trainer, trial_id: str, forwarded: int, alive: tuple[str, ...] = (),
     while time.time() - started < timeout_s:
         for other in alive:
             trainer.alive.remote(other)
-        new, end = ray.get(trainer.poll.remote(trial_id, forwarded + len(reports)))
+        new, end, _ = ray.get(trainer.poll.remote(trial_id, forwarded + len(reports)))
         reports.extend(new)
         if end is not None:
             return reports, end
@@ -206,12 +206,13 @@ def test_the_trainer_holds_at_reports_trains_unfusable_trials_alone_drops_silent
         trainer.alive.remote("held")
         time.sleep(0.05)
     assert ray.get(trainer.poll.remote("silent", 0))[1] == {"reason": "stopped"}
-    new, end = ray.get(trainer.poll.remote("held", 0))
+    new, end, _ = ray.get(trainer.poll.remote("held", 0))
     assert [r["examples_seen"] for r, _ in new] == [0] and end is None
     reports, end = _drain(trainer, "held", 1)  # forwarded: it trains on to its end
     assert end == {"reason": "finished"} and reports[-1][0]["examples_seen"] >= 96
     placement = ray.get(trainer.placement.remote())
-    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1, "grouped": 0,
+    assert placement == {"trials": 3, "groups": 1, "largest": 2, "alone": 1, "restarts": 0,
+                         "grouped": 0,
                          "finished": 2, "stopped": 1, "failed": 0, "training": 0}
     ray.kill(trainer)
 

@@ -40,7 +40,7 @@ from mtbert.tune.results.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSu
                                          build_summary, first_ready_s, phases_line)
 from mtbert.tune.infra.tracking import SearchTracker
 from mtbert.tune.trial.fused_trainable import train_fused_trial
-from mtbert.tune.trial.group_trainer import TRAINER_PREFIX, start_trainers
+from mtbert.tune.trial.trainer_pool import TrainerPool
 from mtbert.tune.trial.trainable import train_trial
 
 
@@ -68,9 +68,9 @@ def run(settings: SearchSettings) -> int:
         max_concurrent = plan.trials_at_once
         threads = "; CPU threads grow into free CPUs" if (
             settings.trial_threads == "grow" and not plan.gpus_per_trial) else ""
-        trainers = ()
+        pool = None
         if settings.fused:
-            settings, trainers = start_fused(settings, data, max_concurrent)
+            settings, pool = start_fused(settings, data, max_concurrent)
         else:
             print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU "
                   f"and {plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
@@ -80,11 +80,12 @@ def run(settings: SearchSettings) -> int:
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
         try:
             grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent,
-                                                    trainers)
-            if trainers:
-                print(f"[tune] {fused_placement_line(trainers)}", flush=True)
+                                                    pool.names if pool else ())
+            if pool:
+                print(f"[tune] {pool.placement_line()}", flush=True)
         finally:
-            stop_trainers(trainers)
+            if pool:
+                pool.stop()
         phases["tune_ended_at"] = time.time()
         phases["tune_s"] = phases["tune_ended_at"] - phases["tune_started_at"]
         return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling,
@@ -106,45 +107,14 @@ def start_fused(settings: SearchSettings, data, max_concurrent: int):
     thin = min(THIN_TRIAL_CPUS, max(resources.get("CPU", 1.0) - count * cpus, 0.0)
                / max(1, max_concurrent))
     settings = dataclasses.replace(settings, cpus_per_trial=thin)
-    trainers = start_trainers(data, count, cpus, 1.0 if gpus else 0.0,
-                              threads=0 if gpus else int(cpus))
+    pool = TrainerPool.start(data, count, cpus, 1.0 if gpus else 0.0,
+                             threads=0 if gpus else int(cpus))
     where = f"one per GPU ({count})" if gpus else "1 on the CPUs (1 CPU)"
     print(f"[tune] fused: {max_concurrent} trials at once, each a thin trial of {thin:g} CPU "
           f"forwarding the reports of trainer actors, {where}; each trainer fuses the "
           f"trials of one structure into a group (up to {max_concurrent} trials per "
           "group); CUDA MPS off", flush=True)
-    return settings, trainers
-
-
-def fused_placement_line(trainers) -> str:
-    """How the trainers placed the trials and how each one's latest join ended (after
-    Tune's loop; a trainer that restarted counts from its restart)."""
-    import ray
-
-    ray.get([t.tune_ended.remote() for t in trainers])
-    parts = [f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
-             f"{p['largest']} at once, {p['alone']} alone (unfusable); ended "
-             f"{p['finished']} finished, {p['stopped']} stopped, {p['failed']} failed, "
-             f"{p['training']} training" for i, p in enumerate(
-                 ray.get([t.placement.remote() for t in trainers]))]
-    return "fused: " + "; ".join(parts)
-
-
-def stop_trainers(trainers, wait_s: float = 30.0) -> None:
-    """The trainer actors end with Tune's loop (not restarted), their names free again
-    before this returns (a ``--resume`` in the same Ray names its trainers alike)."""
-    import ray
-
-    for trainer in trainers:
-        ray.kill(trainer, no_restart=True)
-    deadline = time.time() + wait_s
-    for i in range(len(trainers)):
-        while time.time() < deadline:
-            try:
-                ray.get_actor(f"{TRAINER_PREFIX}{i}")
-            except ValueError:  # gone
-                break
-            time.sleep(0.1)
+    return settings, pool
 
 
 def load_search_data(settings: SearchSettings):
@@ -232,8 +202,8 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
 
 
 def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int,
-        trainers=()):
-    """``Tuner.fit()``; returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
+        trainers: tuple[str, ...] = ()):
+    """``Tuner.fit()`` (``trainers``: the fused path's trainer actors' names); returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
     the scheduler ended the sampling (promoting ASHA, once its first rung's or deciding
     rung's share is promoted: the trials of ``num_samples`` left were not needed)."""
     from ray import tune
@@ -246,8 +216,7 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
     if trainers:  # thin trials; the data is in the trainers already
         trainable = tune.with_resources(
             tune.with_parameters(train_fused_trial, base=settings.base, ended=ended,
-                                 trainers=tuple(f"{TRAINER_PREFIX}{i}"
-                                                for i in range(len(trainers)))),
+                                 trainers=trainers),
             {"cpu": settings.cpus_per_trial, "gpu": 0})
     else:
         trainable = tune.with_resources(

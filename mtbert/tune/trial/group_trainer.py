@@ -18,10 +18,11 @@ trials that are not held, and ends the trials whose thin trial left or stopped p
 fuse (:func:`~mtbert.fused_training.unfusable`: a compiled or graphed step, an encoder
 other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
 
-Should the trainer's process die (a crash, its GPU lost), Ray restarts the actor under its
-name (:data:`TRAINER_RESTARTS`), empty: its thin trials' calls fail with Ray's actor error
-or find their trial unknown (``poll``: ``lost``), they fail, and Tune retries each from its
-last checkpoint into the restarted trainer.
+Should the trainer's process die (a crash, ``kill -9``, its GPU lost), Ray restarts the
+actor under its name (:data:`TRAINER_RESTARTS`; :mod:`.trainer_pool` keeps what its
+constructor needs), empty: its thin trials' calls fail with Ray's actor error or find their
+trial unknown (``poll``: ``lost``), they fail, and Tune retries each from its last
+checkpoint into the restarted trainer (or another).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Seat:
     ready_at: float | None = None
     leaving: bool = False
     key: tuple | None = None     # its group's fuse_key once it has joined one
+    run: Any = None              # its TrialRun (or Trainer) once built
+    trained_from: int = 0        # examples seen when it was built (its restore point)
 
     @property
     def held(self) -> bool:
@@ -83,7 +86,9 @@ class GroupTrainer:
         self.largest = 0                     # most trials one group held at once
         self.formed = 0                      # groups formed
         self.alone = 0                       # trials that could not fuse, trained alone
-        self.root = Path(tempfile.mkdtemp(prefix="mtbert-fused-"))
+        self.base, self.restarts = _working_folder()
+        self.root = self.base / f"run-{self.restarts}"  # this incarnation's
+        self.root.mkdir(parents=True)
         self.cond = threading.Condition()
         threading.Thread(target=self._loop, name="fused-loop", daemon=True).start()
 
@@ -111,14 +116,16 @@ class GroupTrainer:
                                         gid=f"{trial_id}#{self.joins}")
             self.cond.notify_all()
 
-    def poll(self, trial_id: str, forwarded: int) -> tuple[list, dict | None]:
+    def poll(self, trial_id: str, forwarded: int) -> tuple[list, dict | None, tuple | None]:
         """The reports after the first ``forwarded`` (those are forwarded: the trial trains
-        on) and, once every report is forwarded or the trial was stopped here, how the
-        trial ended (None: it trains; ``lost``: not known here, the trainer restarted)."""
+        on); once every report is forwarded or the trial was stopped here, how the trial
+        ended (None: it trains; ``lost``: not known here, the trainer restarted); how far
+        it trained in this join, (examples at its start, examples now), once it is built
+        (the thin trial writes it down: what a trainer's death loses is counted)."""
         with self.cond:
             seat = self.seats.get(trial_id)
             if seat is None:
-                return [], {"reason": "lost"}
+                return [], {"reason": "lost"}, None
             seat.seen_at = time.time()
             for _, folder in seat.reports[seat.forwarded:forwarded]:
                 if folder:
@@ -130,7 +137,8 @@ class GroupTrainer:
             end = seat.end if stopped or not pending else None
             if end is not None:
                 shutil.rmtree(seat.out_dir, ignore_errors=True)
-            return pending, end
+            trained = None if seat.run is None else (seat.trained_from, seat.run.examples_seen)
+            return pending, end, trained
 
     def alive(self, trial_id: str) -> None:
         """The thin trial is there (while ``tune.report`` holds it)."""
@@ -174,6 +182,12 @@ class GroupTrainer:
             while any(s.end is None for s in self.seats.values()) and time.time() < deadline:
                 self.cond.wait(0.05)
 
+    def close(self) -> None:
+        """The search is over: the working folders of this trainer and of its earlier
+        incarnations (their reports never forwarded: their trials resumed from Tune's
+        checkpoints) are removed."""
+        shutil.rmtree(self.base, ignore_errors=True)
+
     def training(self) -> list[str]:
         """The trials training here now (Tune's ids)."""
         with self.cond:
@@ -181,13 +195,14 @@ class GroupTrainer:
 
     def placement(self) -> dict[str, int]:
         """What this trainer trained: trials joined, groups formed, the largest group, the
-        trials trained alone, the trials in its groups now; how their latest joins ended
+        trials trained alone, how often its process was restarted, the trials in its groups
+        now; how their latest joins ended
         (finished, failed, stopped: Tune ended them or their thin trial went silent) or not
         yet (training)."""
         with self.cond:
             ends = [s.end["reason"] if s.end else "training" for s in self.seats.values()]
             return {"trials": self.joins, "groups": self.formed, "largest": self.largest,
-                    "alone": self.alone,
+                    "alone": self.alone, "restarts": self.restarts,
                     "grouped": sum(len(g.trials) for g in list(self.groups.values())),
                     **{reason: ends.count(reason)
                        for reason in ("finished", "failed", "stopped", "training")}}
@@ -262,6 +277,7 @@ class GroupTrainer:
         self.largest = max(self.largest, len(group.trials))
         with self.cond:
             seat.key, seat.ready_at = key, time.time()
+            seat.run, seat.trained_from = run, run.examples_seen
 
     def _report_to(self, seat: Seat, run):
         """The trial's report callback (on its checkpoint thread): the scalars as Ray gets
@@ -366,14 +382,17 @@ def _how(end) -> dict:
     return {"reason": end.reason}
 
 
-def start_trainers(data, count: int, cpus: float, gpus: float, threads: int) -> list[Any]:
-    """``count`` trainer actors, named :data:`TRAINER_PREFIX` + number, each with ``cpus``
-    CPUs and ``gpus`` GPUs, the data put in Ray's object store once for all; Ray restarts
-    one whose process dies (:data:`TRAINER_RESTARTS`; a call in flight then fails)."""
-    import ray  # deferred: ray
-    data_ref = ray.put(data)
-    actor = ray.remote(GroupTrainer)
-    return [actor.options(name=f"{TRAINER_PREFIX}{i}", num_cpus=cpus, num_gpus=gpus,
-                          max_concurrency=4, max_restarts=TRAINER_RESTARTS).remote(
-                              data_ref, threads)
-            for i in range(count)]
+def _working_folder() -> tuple[Path, int]:
+    """The trainer's folder for checkpoints on their way to Tune, kept across its restarts
+    (named by its Ray actor id, which a restart keeps), and how many incarnations used it
+    before this one (its restarts); outside an actor, a new temporary folder."""
+    try:
+        import ray  # deferred: ray
+        actor_id = ray.get_runtime_context().get_actor_id()
+    except Exception:
+        actor_id = None
+    if not actor_id:
+        return Path(tempfile.mkdtemp(prefix="mtbert-fused-")), 0
+    base = Path(tempfile.gettempdir()) / f"mtbert-fused-{actor_id}"
+    base.mkdir(exist_ok=True)
+    return base, sum(1 for p in base.iterdir() if p.name.startswith("run-"))
