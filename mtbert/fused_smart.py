@@ -98,6 +98,7 @@ class FusedSmart:
         self.mu = per_trial([s.mu for s in settings])
         self.noise_std = [s.noise_std for s in settings]
         self.betas = [s.beta for s in settings]
+        self.teacher_betas = per_trial(self.betas)
         self.steps = settings[0].steps
         self.teacher: dict[str, torch.Tensor] | None = None
         if regularisers[0].teacher is not None:
@@ -202,14 +203,14 @@ class FusedSmart:
         return self._divergence(task, compared, out.detach(), batch)
 
     @torch.no_grad()
-    def after_step(self, stepped: list[int]) -> None:
-        """θ̃_n ← β_n θ̃_n + (1 − β_n) θ_n for each trial that stepped (the solo update's
-        ``_foreach`` calls on its slices, so bit for bit the same)."""
+    def after_step(self, stepping: torch.Tensor) -> None:
+        """θ̃_n ← β_n θ̃_n + (1 − β_n) θ_n for each trial that stepped (``stepping``: ``[N]``
+        bool on the device): θ̃ + w (θ − θ̃) with w_n = (1 − β_n) where trial n stepped, 0
+        elsewhere (a trial that did not step keeps its teacher bit for bit); one op per
+        parameter for all the trials."""
         if self.teacher is None:
             return
-        names = list(self.teacher)
-        for n in stepped:
-            teacher = [self.teacher[k][n] for k in names]
-            torch._foreach_mul_(teacher, self.betas[n])
-            torch._foreach_add_(teacher, [self.fused.params[k].detach()[n] for k in names],
-                                alpha=1.0 - self.betas[n])
+        weight = stepping.to(self.teacher_betas.dtype) * (1.0 - self.teacher_betas)
+        for k, teacher in self.teacher.items():
+            teacher.lerp_(self.fused.params[k].detach(),
+                          weight.to(teacher.dtype).view((-1,) + (1,) * (teacher.dim() - 1)))

@@ -151,7 +151,8 @@ class FusedStep:
         self.trained = {**self.fused.params, **self.weighting.params}
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
-        self._mask_cache: dict[tuple, dict[str, list[bool]]] = {}
+        self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._pattern_cache: dict[tuple, dict] = {}
         self.timings = {"steps": 0, "step_s": 0.0}
 
     def _build_optimizer(self) -> None:
@@ -171,7 +172,12 @@ class FusedStep:
                              "and loss weighting")
         self.group_of = group_of
         self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
-        self.weight_decays = self._per_group("weight_decay")
+        # per-trial values the update reads, on the device: [G, N] rates, [N] clip norms
+        self.weight_decays = torch.tensor(self._per_group("weight_decay"), dtype=torch.float64,
+                                          device=self.device)
+        self.lrs = torch.zeros_like(self.weight_decays)
+        self.max_norms = torch.tensor([float(t.cfg.max_grad_norm) for t in self.trials],
+                                      dtype=torch.float64, device=self.device)
         for n, trial in enumerate(self.trials):
             own = trial_parameters(trial)
             for name, state in self.optimizer.state.items():
@@ -197,9 +203,8 @@ class FusedStep:
         started = time.perf_counter()
         stepping = {self.slot[t]: b for t, b in batches.items()}
         tasks = [t for t in TASK_NAMES if any(t in b for b in stepping.values())]
-        present = {t: torch.tensor([n in stepping and t in stepping[n] for n in range(self.n)],
-                                   device=self.device) for t in tasks}
-        stepping_mask = torch.tensor([n in stepping for n in range(self.n)], device=self.device)
+        pattern = self._pattern(stepping)
+        present, stepping_mask = pattern["present"], pattern["stepping"]
         losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
         if self.smart is not None:
             self.smart.draw_noise(stepping)
@@ -225,12 +230,13 @@ class FusedStep:
             self.pcgrad.backward(summed, extra, stepping)
         else:
             (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
-        masks = self._masks(stepping, penalty is not None)
-        self._clip(masks)
-        lrs = self._per_group("lr")
-        self.optimizer.step(lrs, self.weight_decays, masks)
+        masks = self._masks(pattern, penalty is not None)
+        self.optimizer.clip_(self.max_norms, masks)
+        # each trial's LR schedule wrote its rates into its own optimizer: one copy in
+        self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
+        self.optimizer.step(self.lrs, self.weight_decays, masks)
         if self.smart is not None:
-            self.smart.after_step(list(stepping))
+            self.smart.after_step(stepping_mask)
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
         torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
@@ -239,30 +245,32 @@ class FusedStep:
         return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
                 for trial, trial_batches in batches.items()}
 
-    def _masks(self, batches: dict[int, dict], penalty: bool) -> dict[str, list[bool]]:
-        """name -> N booleans: the trials whose step reached the parameter (their own
-        tasks' losses, and the L1/L2 penalty's parameters in every stepping trial)."""
-        key = (penalty, tuple(frozenset(batches[n]) if n in batches else None
-                              for n in range(self.n)))
+    def _pattern(self, stepping: dict[int, dict]) -> dict:
+        """Which trials step which tasks, as device tensors made once per pattern (the
+        patterns are few: the schedules' task sets): ``present`` task -> ``[N]`` bool,
+        ``stepping`` ``[N]`` bool, ``key`` the pattern."""
+        key = tuple(frozenset(stepping[n]) if n in stepping else None for n in range(self.n))
+        if key not in self._pattern_cache:
+            self._pattern_cache[key] = {
+                "key": key,
+                "present": {t: torch.tensor([k is not None and t in k for k in key],
+                                            device=self.device) for t in TASK_NAMES},
+                "stepping": torch.tensor([k is not None for k in key], device=self.device)}
+        return self._pattern_cache[key]
+
+    def _masks(self, pattern: dict, penalty: bool) -> dict[str, torch.Tensor]:
+        """name -> ``[N]`` 0/1 on the device: the trials whose step reached the parameter
+        (their own tasks' losses, and the L1/L2 penalty's parameters in every stepping
+        trial); made once per pattern."""
+        key = (penalty, pattern["key"])
         if key not in self._mask_cache:
             penalised = set(self.fused.penalised) if penalty else set()
-            reached = [set().union(*(self.reach[t] for t in batches[n])) | penalised
-                       if n in batches else set() for n in range(self.n)]
-            self._mask_cache[key] = {name: [name in reached[n] for n in range(self.n)]
-                                     for name in self.trained}
+            reached = [set().union(*(self.reach[t] for t in tasks)) | penalised
+                       if tasks is not None else set() for tasks in pattern["key"]]
+            self._mask_cache[key] = {
+                name: torch.tensor([float(name in reached[n]) for n in range(self.n)],
+                                   device=self.device) for name in self.trained}
         return self._mask_cache[key]
-
-    def _clip(self, masks: dict[str, list[bool]]) -> None:
-        """Each trial's gradient scaled to its ``max_grad_norm`` (0: not clipped):
-        ``torch.nn.utils.clip_grad_norm_``'s arithmetic on the gradients its step reached, in
-        its solo optimizer's order (so the same to the last bit, float32 loss weights too)."""
-        for n, trial in enumerate(self.trials):
-            max_norm = trial.cfg.max_grad_norm
-            grads = [p.grad[n] for name, p in self.optimizer.params.items()
-                     if p.grad is not None and masks[name][n]] if max_norm else []
-            if grads:
-                total = torch.nn.utils.get_total_norm(grads)
-                torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 def own_tensors(trial: TrialRun) -> None:

@@ -171,8 +171,10 @@ def test_fused_uncertainty_weighting_trains_as_the_solo_runs_in_float64(quiet_co
                                                                         tmp_path):
     """Uncertainty weighting fused: each trial's learned log variances s_t stacked, trained
     in its own optimizer group at its own lr; summed updates (every step all three tasks'
-    exp(−s_t)·L_t + s_t): every task loss and the final val metrics are the solo runs'
-    (measured: 3.6e-15 and 0), and so are the learned s_t."""
+    exp(−s_t)·L_t + s_t): every task loss and the final val metrics are the solo runs', and
+    so are the learned s_t, to the rounding of float32 (the s_t are float32 in both runs, as
+    the solo combiner makes them; the fused update's float32 arithmetic is torch AdamW's in
+    another op order: measured 2.3e-8 on the losses)."""
     common = dict(epochs=3, schedule="round_robin", update="summed", eval_every=10**6,
                   eval_at_start=False, loss_weighting="uncertainty")
     cfgs = [quiet_config(seed=0, lr=1e-2, **common),
@@ -190,12 +192,12 @@ def test_fused_uncertainty_weighting_trains_as_the_solo_runs_in_float64(quiet_co
     fused = list(zip(seens, group.fit()))
     assert all(len(seen) >= 50 for seen, _ in solo_runs)
     losses, metrics = _largest_differences(solo_runs, fused)
-    assert losses <= 1e-8 and metrics <= 1e-8
+    assert losses <= 1e-7 and metrics <= 1e-7
     for alone, together in zip(solo, trials):
         for task in ("sst", "qqp", "sts"):
             learned = float(alone.loss_combiner.s[task])
             assert learned != 0.0
-            assert abs(learned - float(together.loss_combiner.s[task])) <= 1e-8
+            assert abs(learned - float(together.loss_combiner.s[task])) <= 1e-7
 
 
 def test_fused_pcgrad_trials_train_as_their_solo_runs_in_float64(quiet_config, tmp_path):
@@ -230,33 +232,42 @@ def test_smart_pcgrad_and_uncertainty_fused_in_float32_drift_within_1e_4(quiet_c
 
 
 def test_trial_adamw_is_torch_adamw_on_each_slice():
-    """Each trial's slice steps exactly as ``torch.optim.AdamW(fused=True)`` on that
-    trial's parameter alone; a masked-out slice keeps its weights, moments and step."""
+    """Each trial's slice steps as ``torch.optim.AdamW(fused=True)`` on that trial's
+    parameter alone, clipped as ``clip_grad_norm_`` clips it (float64: within 1e-14 over 12
+    steps); a masked-out slice keeps its weights, moments and step bit for bit."""
     torch.manual_seed(0)
-    lrs, decays = [1e-3, 2e-3, 5e-4], [0.0, 0.01, 0.1]
+    lrs, decays, clips = [1e-3, 2e-3, 5e-4], [0.0, 0.01, 0.1], [0.0, 1.0, 0.05]
     solo = [torch.randn(5, 4, dtype=torch.float64, requires_grad=True) for _ in lrs]
     stacked = torch.stack([p.detach() for p in solo]).requires_grad_()
     optimizers = [torch.optim.AdamW([p], lr=lr, weight_decay=wd, fused=True)
                   for p, lr, wd in zip(solo, lrs, decays)]
     fused = TrialAdamW({"w": stacked}, {"w": 0})
     scale = torch.logspace(-12, 0, 20, dtype=torch.float64).view(5, 4)
+    rates = torch.tensor([lrs], dtype=torch.float64)
     for step in range(12):
         grads = torch.randn(3, 5, 4, dtype=torch.float64) * scale
         mask = [True, step % 3 != 0, step % 2 == 0]
         before = stacked.detach().clone()
+        moments = fused.state["w"]["exp_avg"].clone()
         for n, on in enumerate(mask):
             if on:
                 solo[n].grad = grads[n].clone()
+                if clips[n]:
+                    torch.nn.utils.clip_grad_norm_([solo[n]], clips[n])
                 optimizers[n].step()
         stacked.grad = grads.clone()
-        fused.step([lrs], [decays], {"w": mask})
+        on = {"w": torch.tensor([float(m) for m in mask], dtype=torch.float64)}
+        fused.clip_(torch.tensor(clips, dtype=torch.float64), on)
+        fused.step(rates, torch.tensor([decays], dtype=torch.float64), on)
         for n, on in enumerate(mask):
-            assert torch.equal(stacked[n], solo[n])
+            assert torch.allclose(stacked[n], solo[n], rtol=1e-14, atol=0), n
             if not on:
                 assert torch.equal(stacked[n], before[n])
+                assert torch.equal(fused.state["w"]["exp_avg"][n], moments[n])
     state = fused.state["w"]
     for n in range(3):
-        assert torch.equal(state["exp_avg"][n], optimizers[n].state[solo[n]]["exp_avg"])
+        assert torch.allclose(state["exp_avg"][n], optimizers[n].state[solo[n]]["exp_avg"],
+                              rtol=1e-14, atol=0)
         assert float(state["step"][n]) == float(optimizers[n].state[solo[n]]["step"])
     assert [float(s) for s in state["step"]] == [12.0, 8.0, 6.0]
 
