@@ -34,11 +34,6 @@ import torch
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _over_trials(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``[N]`` values shaped to broadcast over ``like``'s ``[N, ...]`` slices."""
-    return values.view((-1,) + (1,) * (like.dim() - 1))
-
-
 class TrialAdamW:
     """``clip_(max_norms, masks)`` then ``step(lrs, weight_decays, masks)``: one clipped
     AdamW step of every trial's stepping slices (module doc)."""
@@ -46,33 +41,86 @@ class TrialAdamW:
     def __init__(self, params: dict[str, torch.Tensor], group_of: dict[str, int],
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.params = params
+        self.names = list(params)
         self.group_of = group_of  # parameter name -> index of its group in the rates
         self.beta1, self.beta2 = betas
         self.eps = eps
-        self.state = {name: {"step": torch.zeros(p.shape[0], dtype=torch.float32,
-                                                 device=p.device),
+        first = next(iter(params.values()))
+        self.n, self.device = first.shape[0], first.device
+        #: every parameter's per-trial step counts, one ``[P, N]`` tensor (row i: names[i])
+        self.steps = torch.zeros(len(self.names), self.n, dtype=torch.float32,
+                                 device=self.device)
+        self.state = {name: {"step": self.steps[i],
                              "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
                              "exp_avg_sq": torch.zeros_like(
                                  p, memory_format=torch.contiguous_format)}
-                      for name, p in params.items()}
+                      for i, (name, p) in enumerate(params.items())}
+        self.group_index = torch.tensor([group_of[k] for k in self.names], device=self.device)
+        self._lists: dict[tuple, dict] = {}
+        self._stacked: dict[int, tuple] = {}
+
+    def stacked_masks(self, masks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[P, N]`` float64: row i the mask of ``names[i]`` (0 where a name is absent);
+        made once per masks dict (the step's are made once per pattern and kept)."""
+        held = self._stacked.get(id(masks))
+        if held is None or held[0] is not masks:
+            zero = torch.zeros(self.n, dtype=torch.float64, device=self.device)
+            held = (masks, torch.stack([masks[k].to(torch.float64) if k in masks else zero
+                                        for k in self.names]))
+            self._stacked[id(masks)] = held
+        return held[1]
+
+    def _stepping(self) -> dict:
+        """The parameters with a gradient, their tensors as lists (for the ``_foreach``
+        ops) and, per (dtype, ndim), which rows of the ``[P, N]`` factors broadcast over
+        them; made again only when the set of gradients changes."""
+        key = tuple(id(self.params[k].grad) for k in self.names)
+        lists = self._lists.get(key)
+        if lists is None:
+            rows = [i for i, k in enumerate(self.names) if self.params[k].grad is not None]
+            tensors = [self.params[self.names[i]] for i in rows]
+            shapes = sorted({(p.dtype, p.dim()) for p in tensors}, key=str)
+            with_grad = torch.zeros(len(self.names), 1, dtype=torch.float64,
+                                    device=self.device)
+            with_grad[rows] = 1.0
+            lists = {"rows": rows, "params": tensors, "with_grad": with_grad,
+                     "row_index": torch.tensor(rows, device=self.device),
+                     "grads": [p.grad for p in tensors],
+                     "exp_avgs": [self.state[self.names[i]]["exp_avg"] for i in rows],
+                     "exp_avg_sqs": [self.state[self.names[i]]["exp_avg_sq"] for i in rows],
+                     "shapes": shapes,
+                     "shape_of": [shapes.index((p.dtype, p.dim())) for p in tensors],
+                     # each trial's slice of each gradient, trial-major (clipping's norms)
+                     "slices": [p.grad[n] for n in range(self.n) for p in tensors]}
+            self._lists = {key: lists}
+        return lists
+
+    def _over_trials(self, factors: torch.Tensor, lists: dict) -> list[list[torch.Tensor]]:
+        """``[F, P, N]`` per-trial factors -> per factor, a list of each stepping
+        parameter's ``[N, 1, ...]`` view in its dtype (a few ops for any P and N)."""
+        picked = factors.index_select(1, lists["row_index"])
+        views = []
+        for dtype, ndim in lists["shapes"]:
+            shaped = picked.to(dtype).view(picked.shape + (1,) * (ndim - 1))
+            views.append([f.unbind(0) for f in shaped.unbind(0)])
+        return [[views[s][f][j] for j, s in enumerate(lists["shape_of"])]
+                for f in range(factors.shape[0])]
 
     @torch.no_grad()
     def clip_(self, max_norms: torch.Tensor, masks: dict[str, torch.Tensor]) -> None:
         """Each trial's gradient scaled to its ``max_norms[n]`` (0: not clipped), the norm
         over the parameters its step reached (``masks``: name -> ``[N]`` 0/1)."""
-        names = [k for k, p in self.params.items() if p.grad is not None and k in masks]
-        if not names:
+        lists = self._stepping()
+        if not lists["rows"]:
             return
-        grads = [self.params[k].grad for k in names]
-        n = grads[0].shape[0]
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in grads])
-        reached = torch.stack([masks[k] for k in names]).to(norms.dtype)
-        total = torch.linalg.vector_norm(norms * reached, dim=0)
+        p = len(lists["rows"])
+        norms = torch.stack(torch._foreach_norm(lists["slices"])).view(self.n, p)
+        reached = self.stacked_masks(masks).index_select(0, lists["row_index"]).t()
+        total = torch.linalg.vector_norm(norms * reached.to(norms.dtype), dim=1)
         limit = max_norms.to(total.dtype)
-        scale = torch.where(limit > 0, torch.clamp(limit / (total + 1e-6), max=1.0),
-                            torch.ones_like(total))
-        for g in grads:
-            g.mul_(_over_trials(scale.to(g.dtype), g))
+        scale = torch.where(limit > 0, torch.clamp(limit / (total + 1e-6), max=1.0), 1.0)
+        factors = scale.to(torch.float64).expand(len(self.names), self.n).unsqueeze(0)
+        torch._foreach_mul_(lists["grads"], self._over_trials(factors, lists)[0])
 
     @torch.no_grad()
     def step(self, lrs: torch.Tensor, weight_decays: torch.Tensor,
@@ -80,26 +128,34 @@ class TrialAdamW:
         """``lrs``, ``weight_decays``: ``[G, N]`` device tensors, each trial's rates per
         group; ``masks``: name -> ``[N]`` 0/1, the trials whose slice of it steps (a name
         absent, or a parameter without a gradient, steps no trial)."""
-        decay = 1.0 - lrs * weight_decays  # θ(1 − lr·λ)
-        for name, p in self.params.items():
-            mask = masks.get(name)
-            if p.grad is None or mask is None:
-                continue
-            g, state, group = p.grad, self.state[name], self.group_of[name]
-            step = state["step"]
-            step.add_(mask.to(step.dtype))
-            # the per-trial factors in float64 (as torch's kernel takes its scalars), then
-            # the weights' dtype; a slice that does not step gets blend weights 0, factor 1
-            on = mask.to(torch.float64)
-            t = step.to(torch.float64)
-            first = torch.where(on > 0, 1.0 - torch.pow(self.beta1, t), 1.0)
-            second = torch.where(on > 0, 1.0 - torch.pow(self.beta2, t), 1.0)
-            dt = p.dtype
-            state["exp_avg"].lerp_(g, _over_trials((on * (1.0 - self.beta1)).to(dt), g))
-            sq = state["exp_avg_sq"]
-            sq.mul_(_over_trials((1.0 - on * (1.0 - self.beta2)).to(dt), g))
-            sq.addcmul_(g, g * _over_trials((on * (1.0 - self.beta2)).to(dt), g))
-            p.mul_(_over_trials(torch.where(on > 0, decay[group], 1.0).to(dt), p))
-            denom = (sq.sqrt() / _over_trials(second.sqrt().to(dt), p)).add_(self.eps)
-            rate = (on * lrs[group] / first).to(dt)
-            p.addcdiv_(state["exp_avg"] * _over_trials(-rate, p), denom)
+        lists = self._stepping()
+        if not lists["rows"]:
+            return
+        on = self.stacked_masks(masks) * lists["with_grad"]            # [P, N]
+        self.steps.add_(on.to(self.steps.dtype))
+        # the per-trial factors in float64 (as torch's kernel takes its scalars); a slice
+        # that does not step gets blend weights 0 and factors 1: it stays bit for bit
+        t = self.steps.to(torch.float64)
+        stepping = on > 0
+        first = torch.where(stepping, 1.0 - torch.pow(self.beta1, t), 1.0)
+        second = torch.where(stepping, 1.0 - torch.pow(self.beta2, t), 1.0)
+        lr = lrs.index_select(0, self.group_index)                     # [P, N]
+        decay = torch.where(stepping, 1.0 - lr * weight_decays.index_select(0, self.group_index),
+                            1.0)
+        factors = torch.stack([on * (1.0 - self.beta1),               # m's blend weight
+                               1.0 - on * (1.0 - self.beta2),         # v's decay
+                               on * (1.0 - self.beta2),               # v's weight of g²
+                               decay,                                 # θ(1 − lr·λ)
+                               second.sqrt(),                         # √(1 − β₂ᵗ)
+                               -(on * lr / first)])                   # −lr / (1 − β₁ᵗ)
+        w_m, v_decay, w_v, decay, root, rate = self._over_trials(factors, lists)
+        params, grads = lists["params"], lists["grads"]
+        exp_avgs, exp_avg_sqs = lists["exp_avgs"], lists["exp_avg_sqs"]
+        torch._foreach_lerp_(exp_avgs, grads, w_m)
+        torch._foreach_mul_(exp_avg_sqs, v_decay)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, torch._foreach_mul(grads, w_v))
+        torch._foreach_mul_(params, decay)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, root)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, rate), denom)

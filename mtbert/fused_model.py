@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,26 +182,30 @@ def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
     """One ``[N, rows, width]`` batch from N trials' host batches of one task (None: the
     trial has no batch of it this step).  Every tensor is padded to the most rows and each
     2-D one to its longest width across trials: ids with ``pad_id``, masks and token types
-    with 0; a filler row holds one attended pad token, label 0 and row weight 0."""
+    with 0; a filler row holds one attended pad token, label 0 and row weight 0.  Packed in
+    NumPy on the host (as a collate packs rows): no torch op a trial, one tensor a key."""
     real = [b for b in batches if b is not None]
-    rows = max(len(b["labels"]) for b in real)
+    n, rows = len(batches), max(len(b["labels"]) for b in real)
     keys = [k for k in real[0] if k != ROW_WEIGHTS]
-    widths = {k: max(b[k].shape[1] for b in real) for k in keys if real[0][k].ndim == 2}
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in keys + [ROW_WEIGHTS]}
-    for b in batches:
-        have = 0 if b is None else len(b["labels"])
-        for k in keys:
-            like = real[0][k]
-            fill = pad_id if k.startswith("input_ids") else 0
-            shape = (rows, widths[k]) if k in widths else (rows,)
-            t = torch.full(shape, fill, dtype=like.dtype)
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        like = real[0][k]
+        width = max(b[k].shape[1] for b in real) if like.ndim == 2 else None
+        shape = (n, rows) if width is None else (n, rows, width)
+        fill = pad_id if k.startswith("input_ids") else 0
+        packed = np.full(shape, fill, dtype=like.numpy().dtype)
+        for i, b in enumerate(batches):
+            have = 0 if b is None else len(b["labels"])
             if b is not None:
-                t[(slice(0, have),) + tuple(slice(0, s) for s in b[k].shape[1:])] = b[k]
+                value = b[k].numpy()
+                packed[(i, slice(0, have)) + tuple(slice(0, s) for s in value.shape[1:])] = value
             if k.startswith("attention_mask"):
-                t[have:, 0] = 1  # filler rows: one attended token (finite attention, means)
-            out[k].append(t)
-        weights = torch.zeros(rows, dtype=torch.float32)
+                packed[i, have:, 0] = 1  # filler rows: one attended token (finite attention)
+        out[k] = torch.from_numpy(packed)
+    weights = np.zeros((n, rows), dtype=np.float32)
+    for i, b in enumerate(batches):
         if b is not None:
-            weights[:have] = b[ROW_WEIGHTS] if ROW_WEIGHTS in b else 1.0
-        out[ROW_WEIGHTS].append(weights)
-    return {k: torch.stack(v) for k, v in out.items()}
+            have = len(b["labels"])
+            weights[i, :have] = b[ROW_WEIGHTS].numpy() if ROW_WEIGHTS in b else 1.0
+    out[ROW_WEIGHTS] = torch.from_numpy(weights)
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import signal
 import threading
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from mtbert.tune.trial.trainer_pool import TUNE_CONTROLLER_LOG
 
 SMOKE_MAX, EVERY = 192, 48
 NUM_TRIALS = 4
@@ -92,6 +95,11 @@ def killed_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     console = io.StringIO()
+    records: list[logging.LogRecord] = []
+    tune_log = logging.getLogger(TUNE_CONTROLLER_LOG)
+    handler = logging.Handler()
+    handler.emit = records.append
+    tune_log.addHandler(handler)
     started = time.time()
     try:
         with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
@@ -105,8 +113,10 @@ def killed_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     finally:
         done.set()
         thread.join()
+        tune_log.removeHandler(handler)
     summary = exp_dir / "summary.json"
     return {"rc": rc, "console": console.getvalue(), "kills": kills, "exp_dir": exp_dir,
+            "tune_log": records,
             "wall_s": time.time() - started,
             "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
@@ -123,6 +133,9 @@ def test_the_search_survives_its_trainer_killed_twice(killed_search):
     assert s["best_trial"] and s["ensemble"] and s["ensemble"]["members"]
     placement = [ln for ln in console.splitlines() if "[tune] fused: trainer 0" in ln]
     assert placement and "restarted 2x" in placement[0], placement
+    # Tune's log of each retried run: one line with the reason, no traceback
+    lost = [r for r in killed_search["tune_log"] if "TrainerLost" in r.getMessage()]
+    assert lost and all(r.exc_info is None and "\n" not in r.getMessage() for r in lost)
 
 
 def test_the_killed_trainer_s_trials_resume_from_their_checkpoints(killed_search):

@@ -11,12 +11,15 @@ restart after they are gone fails with ``ReferenceCountingAssertionError``, ray-
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from mtbert.tune.trial.group_trainer import TRAINER_PREFIX, TRAINER_RESTARTS, GroupTrainer
 
+#: the logger of Tune's trial failures (with their tracebacks)
+TUNE_CONTROLLER_LOG = "ray.tune.execution.tune_controller"
 #: seconds the driver waits for a trainer's answer after Tune's loop (a restarting trainer
 #: answers once its constructor has run again: the data, the imports)
 ANSWER_S = 60.0
@@ -39,6 +42,7 @@ class TrainerPool:
                                  max_concurrency=4, max_restarts=TRAINER_RESTARTS).remote(
                                      data_ref, threads)
                    for i in range(count)]
+        logging.getLogger(TUNE_CONTROLLER_LOG).addFilter(ONE_LINE_TRAINER_LOST)
         return cls(handles, data_ref)
 
     @property
@@ -70,6 +74,7 @@ class TrainerPool:
         folder (every incarnation's) if it answers, then is killed; their names are free
         again before this returns (a ``--resume`` in the same Ray names its trainers alike)."""
         import ray  # deferred: ray
+        logging.getLogger(TUNE_CONTROLLER_LOG).removeFilter(ONE_LINE_TRAINER_LOST)
         closing = [h.close.remote() for h in self.handles]
         try:
             ray.wait(closing, num_returns=len(closing), timeout=10)
@@ -90,3 +95,20 @@ class TrainerPool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+class _OneLineTrainerLost(logging.Filter):
+    """Tune logs each failed run of a trial with its traceback; a run that failed because
+    its trainer died (``TrainerLost``: Tune retries it from its checkpoint) is expected,
+    so its record keeps one line: Tune's message and the reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        lines = [ln.strip() for ln in str(exc).splitlines() if "TrainerLost:" in ln]
+        if exc is not None and lines:
+            record.msg, record.args = f"{record.getMessage()}: {lines[-1]}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+ONE_LINE_TRAINER_LOST = _OneLineTrainerLost()
