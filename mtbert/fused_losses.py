@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtbert.losses import FixedCombiner, SumCombiner, UncertaintyCombiner
 from mtbert.tasks import TASK_NAMES
 
 #: the prefix of a loss combiner's parameters among a fused trial's trained tensors
@@ -39,8 +40,8 @@ class FusedLossWeighting:
             for name, p in combiner_parameters(combiner).items():
                 p.data = self.params[name].detach()[n]
         self.learned = {t: self.params.get(f"{PREFIX}s.{t}") for t in TASK_NAMES}
-        self.fixed = {t: torch.tensor([getattr(c, "weights", {}).get(t, 1.0) for c in combiners],
-                                      dtype=torch.float64, device=device)  # FixedCombiner's
+        self.fixed = {t: torch.tensor([_fixed_weight(c, t) for c in combiners],
+                                      dtype=torch.float64, device=device)
                       for t in TASK_NAMES}
 
     def weighted(self, task: str, losses: torch.Tensor) -> torch.Tensor:
@@ -52,3 +53,15 @@ class FusedLossWeighting:
     def reached(self, task: str) -> set[str]:
         """The names of the learned weights ``task``'s weighted loss reaches."""
         return {f"{PREFIX}s.{task}"} & self.params.keys()
+
+
+def _fixed_weight(combiner: nn.Module, task: str) -> float:
+    """The fixed weight of ``task`` in one trial's combiner: 1 for ``sum``, ``w_t`` for
+    ``fixed``, 1 for ``uncertainty`` (its learned s_t weigh the loss instead); a combiner
+    of another kind has no fused form, and is refused rather than summed."""
+    if isinstance(combiner, FixedCombiner):
+        return float(combiner.weights[task])
+    if isinstance(combiner, (SumCombiner, UncertaintyCombiner)):
+        return 1.0
+    raise ValueError(f"cannot train fused: loss combiner {type(combiner).__name__} has no "
+                     "fused form (mtbert/fused_losses.py)")

@@ -171,3 +171,21 @@ def test_trainer_optimises_the_learned_weights(tiny_config, tmp_path):
     assert all(p.item() != 0.0 for p in s_params)
     state = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=True)
     assert set(state["loss_combiner"]) == {"s.sst", "s.qqp", "s.sts"}
+
+
+def test_a_combiner_without_a_fused_form_is_refused_not_summed(tiny_config):
+    """A loss combiner the fused step does not know (here a subclass weighting in its own
+    way) is an error naming it, not a silent plain sum of the tasks (each at weight 1)."""
+    from mtbert.fused_losses import FusedLossWeighting
+    from mtbert.losses import LossCombiner, build_loss_combiner
+
+    class Halved(LossCombiner):
+        def weighted(self, losses):
+            return {t: 0.5 * loss for t, loss in losses.items()}
+
+    cfg = tiny_config(loss_weighting="fixed", w_sst=2.0)
+    known = FusedLossWeighting([build_loss_combiner(cfg), build_loss_combiner(tiny_config())],
+                               torch.device("cpu"))
+    assert known.fixed["sst"].tolist() == [2.0, 1.0]
+    with pytest.raises(ValueError, match="cannot train fused: loss combiner Halved"):
+        FusedLossWeighting([Halved(cfg), Halved(cfg)], torch.device("cpu"))
