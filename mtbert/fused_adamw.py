@@ -142,20 +142,23 @@ class TrialAdamW:
         lr = lrs.index_select(0, self.group_index)                     # [P, N]
         decay = torch.where(stepping, 1.0 - lr * weight_decays.index_select(0, self.group_index),
                             1.0)
+        # θ −= lr/(1 − β₁ᵗ) · m / (√v/√(1 − β₂ᵗ) + ε), written with one division fewer:
+        # θ += m / ((√v + ε√(1 − β₂ᵗ)) / r), r = −lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ); r = 0 where a
+        # slice does not step, so its divisor is +inf and its weights move by exactly 0
+        root = second.sqrt()
+        rate = -(on * lr * root / first)
         factors = torch.stack([on * (1.0 - self.beta1),               # m's blend weight
-                               1.0 - on * (1.0 - self.beta2),         # v's decay
-                               on * (1.0 - self.beta2),               # v's weight of g²
+                               on * (1.0 - self.beta2),               # v's blend weight
                                decay,                                 # θ(1 − lr·λ)
-                               second.sqrt(),                         # √(1 − β₂ᵗ)
-                               -(on * lr / first)])                   # −lr / (1 − β₁ᵗ)
-        w_m, v_decay, w_v, decay, root, rate = self._over_trials(factors, lists)
+                               self.eps * root,                       # ε√(1 − β₂ᵗ)
+                               rate])
+        w_m, w_v, decay, eps, rate = self._over_trials(factors, lists)
         params, grads = lists["params"], lists["grads"]
         exp_avgs, exp_avg_sqs = lists["exp_avgs"], lists["exp_avg_sqs"]
-        torch._foreach_lerp_(exp_avgs, grads, w_m)
-        torch._foreach_mul_(exp_avg_sqs, v_decay)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, torch._foreach_mul(grads, w_v))
+        torch._foreach_lerp_(exp_avgs, grads, w_m)                    # m + (1 − β₁)(g − m)
+        torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), w_v)
         torch._foreach_mul_(params, decay)
         denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, root)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, rate), denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(denom, rate)
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
