@@ -14,7 +14,9 @@ of a solo run; a checkpoint resumes solo or in a group).  Only the step is share
 :class:`FusedStep`, the group's step engine (:mod:`mtbert.step_engine`), stacks the
 trials' models (:mod:`mtbert.fused_model`; each trial model's parameters become views of
 its slice) and trains them all in one step, with a per-trial AdamW
-(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.
+(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.  A
+group of one trial skips the trial axis: :class:`GroupOfOneStep` steps it with its solo
+run's eager step (the solo run's ops, draws and arithmetic).
 
 Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
 train different tasks in the same step: the fused step runs every task in the union;
@@ -66,6 +68,7 @@ from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
 from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.pretrained import load_model_config
+from mtbert.step_engine import EagerStep
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
@@ -273,6 +276,24 @@ class FusedStep:
         return self._mask_cache[key]
 
 
+class GroupOfOneStep:
+    """The engine of a group of one trial: its solo run's eager step
+    (:class:`~mtbert.step_engine.EagerStep`: N = 1 skips the trial axis, as HFTA's B = 0 is
+    the plain module), on its own random stream, its tensors its own (copies of its slices
+    of the fused engine it leaves, if any): the same ops, draws and arithmetic as the solo
+    run.  A trial that joins re-forms the group into a :class:`FusedStep`, which takes this
+    trial's state in as it is."""
+
+    def __init__(self, trial: TrialRun, streams: TrialStreams):
+        own_tensors(trial)
+        self.trial, self.streams = trial, streams
+        self.eager = EagerStep(trial)
+
+    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        with self.streams.of(self.trial):
+            return self.eager.step(batches)
+
+
 def own_tensors(trial: TrialRun) -> None:
     """``trial``'s model weights, loss weights, SMART teacher and optimizer state become
     tensors of its own (copies of its slices of a :class:`FusedStep`'s), which no engine
@@ -442,7 +463,9 @@ class FusedGroup:
         if not batches:
             return ended
         if self.engine is None:
-            self.engine = FusedStep(list(self.trials.values()), self.streams)
+            members = list(self.trials.values())
+            self.engine = (FusedStep(members, self.streams) if len(members) > 1
+                           else GroupOfOneStep(members[0], self.streams))
         losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
         for trial_id in batches:
             trial = self.trials[trial_id]
