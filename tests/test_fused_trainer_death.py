@@ -65,17 +65,50 @@ def _checkpointed(exp_dir: Path) -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def killed_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
+def _fused_search(root: Path, name: str, seed: int, max_failures: int, killer, model: str,
+                  data: str) -> dict:
+    """``mtbert-tune --fuse on`` of :data:`SPACE` in this process, ``killer(done)`` on a
+    thread meanwhile: its exit code, console, Tune's log records and summary."""
     from mtbert.tune.cli import main
 
+    (root / f"{name}.yaml").write_text(SPACE, encoding="utf-8")
+    done = threading.Event()
+    thread = threading.Thread(target=killer, args=(done,), daemon=True)
+    thread.start()
+    console = io.StringIO()
+    records: list[logging.LogRecord] = []
+    tune_log = logging.getLogger(TUNE_CONTROLLER_LOG)
+    handler = logging.Handler()
+    handler.emit = records.append
+    tune_log.addHandler(handler)
+    started = time.time()
+    try:
+        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+            rc = main(["--space", str(root / f"{name}.yaml"), "--budget", "smoke",
+                       "--model", model, "--data-dir", data,
+                       "--num-samples", str(NUM_TRIALS), "--max-concurrent", "2",
+                       "--mlflow-uri", f"sqlite:///{root / 'mlflow.db'}", "--seed", str(seed),
+                       "--scheduler", "fifo", "--search-alg", "random",
+                       "--max-failures", str(max_failures), "--ensemble-top-k", "2",
+                       "--fuse", "on", "--experiment", name,
+                       "--storage-path", str(root / "ray_results")])
+    finally:
+        done.set()
+        thread.join()
+        tune_log.removeHandler(handler)
+    summary = root / "ray_results" / name / "summary.json"
+    return {"rc": rc, "console": console.getvalue(), "tune_log": records,
+            "exp_dir": root / "ray_results" / name, "wall_s": time.time() - started,
+            "summary": json.loads(summary.read_text()) if summary.exists() else None}
+
+
+@pytest.fixture(scope="module")
+def killed_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     root = tmp_path_factory.mktemp("trainer-death")
-    (root / "death.yaml").write_text(SPACE, encoding="utf-8")
     exp_dir = root / "ray_results" / "death"
     kills: list[dict] = []
-    done = threading.Event()
 
-    def killer():
+    def killer(done: threading.Event):
         """SIGKILL the trainer once a trial has a checkpoint in Tune; again once a new
         trainer process (Ray's restart) is up."""
         first = None
@@ -92,33 +125,8 @@ def killed_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
                     time.sleep(0.5)
             done.wait(0.05)
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    console = io.StringIO()
-    records: list[logging.LogRecord] = []
-    tune_log = logging.getLogger(TUNE_CONTROLLER_LOG)
-    handler = logging.Handler()
-    handler.emit = records.append
-    tune_log.addHandler(handler)
-    started = time.time()
-    try:
-        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
-            rc = main(["--space", str(root / "death.yaml"), "--budget", "smoke",
-                       "--model", tiny_model_dir, "--data-dir", tiny_data_dir,
-                       "--num-samples", str(NUM_TRIALS), "--max-concurrent", "2",
-                       "--mlflow-uri", f"sqlite:///{root / 'mlflow.db'}", "--seed", "0",
-                       "--scheduler", "fifo", "--search-alg", "random", "--max-failures", "3",
-                       "--ensemble-top-k", "2", "--fuse", "on", "--experiment", "death",
-                       "--storage-path", str(root / "ray_results")])
-    finally:
-        done.set()
-        thread.join()
-        tune_log.removeHandler(handler)
-    summary = exp_dir / "summary.json"
-    return {"rc": rc, "console": console.getvalue(), "kills": kills, "exp_dir": exp_dir,
-            "tune_log": records,
-            "wall_s": time.time() - started,
-            "summary": json.loads(summary.read_text()) if summary.exists() else None}
+    out = _fused_search(root, "death", 0, 3, killer, tiny_model_dir, tiny_data_dir)
+    return {**out, "kills": kills}
 
 
 def test_the_search_survives_its_trainer_killed_twice(killed_search):
@@ -174,15 +182,13 @@ def lost_for_good(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     its node is gone) once a trial has finished and another trains in it."""
     import ray
 
-    from mtbert.tune.cli import main
     from mtbert.tune.trial.group_trainer import TRAINER_PREFIX
 
     root = tmp_path_factory.mktemp("trainer-gone")
-    (root / "gone.yaml").write_text(SPACE, encoding="utf-8")
     exp_dir = root / "ray_results" / "gone"
-    done, killed = threading.Event(), []
+    killed = []
 
-    def killer():
+    def killer(done: threading.Event):
         while not done.is_set():
             finished = [r for r in exp_dir.glob("trial_*/result.json")
                         if f'"examples_seen": {SMOKE_MAX}' in r.read_text()]
@@ -196,24 +202,8 @@ def lost_for_good(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
                 return
             done.wait(0.05)
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    console = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
-            rc = main(["--space", str(root / "gone.yaml"), "--budget", "smoke",
-                       "--model", tiny_model_dir, "--data-dir", tiny_data_dir,
-                       "--num-samples", str(NUM_TRIALS), "--max-concurrent", "2",
-                       "--mlflow-uri", f"sqlite:///{root / 'mlflow.db'}", "--seed", "1",
-                       "--scheduler", "fifo", "--search-alg", "random", "--max-failures", "2",
-                       "--ensemble-top-k", "2", "--fuse", "on", "--experiment", "gone",
-                       "--storage-path", str(root / "ray_results")])
-    finally:
-        done.set()
-        thread.join()
-    summary = exp_dir / "summary.json"
-    return {"rc": rc, "console": console.getvalue(), "killed": killed,
-            "summary": json.loads(summary.read_text()) if summary.exists() else None}
+    out = _fused_search(root, "gone", 1, 2, killer, tiny_model_dir, tiny_data_dir)
+    return {**out, "killed": killed}
 
 
 def test_a_trainer_gone_for_good_fails_its_trials_once_and_the_search_summarises(lost_for_good):
