@@ -118,7 +118,7 @@ def step_tokens(batches: dict, fused: bool, pad_id: int) -> tuple[int, int]:
 
 
 def gpu_busy_ms(device: torch.device, run) -> float | None:
-    """Milliseconds of GPU kernels that ``run()`` launches (torch.profiler's device time,
+    """Milliseconds of GPU kernels that ``run()`` launches (torch.profiler's kernel time,
     summed over every op's own kernels); None on a CPU."""
     if device.type != "cuda":
         return None
@@ -221,11 +221,17 @@ class WorkerError(RuntimeError):
     """A bench process exited without its figures, or did not send them in time."""
 
 
+#: what the processes' fork server imports once (no CUDA use there), so that each row's
+#: processes start in a second rather than importing torch and transformers anew
+PRELOAD = ["torch", "transformers", "mtbert.fused_training", "mtbert.trainer"]
+
+
 def run_processes(settings: list[dict], timeout_s: float = 600.0) -> dict:
-    """Start one process per settings, together; their figures over the union window.
-    A process that exits without its figures (a crash) or a run past ``timeout_s`` ends
-    them all: :class:`WorkerError` says which."""
-    ctx = mp.get_context("spawn")
+    """Start one process per settings, together (forked from a server that imported
+    :data:`PRELOAD`); their figures over the union window.  A process that exits without
+    its figures (a crash) or a run past ``timeout_s`` ends them all: :class:`WorkerError`
+    says which."""
+    ctx = mp.get_context("forkserver")
     barrier, results = ctx.Barrier(len(settings)), ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, {**s, "barrier_s": timeout_s}, barrier,
                                               results))
@@ -430,6 +436,7 @@ def main() -> None:
                    help="train mode: another TrainConfig field (repeatable)")
     p.add_argument("--json", help="also write the raw figures to this file")
     args = p.parse_args()
+    mp.set_forkserver_preload(PRELOAD)
     try:
         args.trials = [int(n) for n in args.trials.split(",")]
         if args.unfused_trials is not None:

@@ -180,7 +180,7 @@ def test_check_model_accepts_the_packaged_minilm_and_the_tiny_model(tiny_model_d
 
 def test_an_fp16_model_folder_loads_as_float32_weights(tiny_model_dir, tmp_path):
     """A folder whose safetensors hold fp16 weights and whose config.json names no dtype
-    (MiniLM's, carried in half precision) trains from float32 weights: transformers 5's
+    (MiniLM's, stored in half precision) trains from float32 weights: transformers 5's
     ``dtype="auto"`` takes the weights' dtype there."""
     import json
     import shutil
