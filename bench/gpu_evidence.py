@@ -337,6 +337,21 @@ def _train_rows(result: dict) -> list[str]:
     return lines
 
 
+def _search_line(name: str, summary: dict) -> str:
+    """A search's wall time, Tune's loop, trials, examples per second over the loop and
+    its best trial's val and dev overall."""
+    phases, counts = summary["phases"], summary["counts"]
+    best = summary.get("best_trial") or {}
+    tune_s = phases.get("tune_s") or 0.0
+    rate = summary.get("examples_trained", 0) / tune_s if tune_s else None
+    return (f"{name}: {_fmt(phases.get('total_s'))} s in all, Tune's loop "
+            f"{_fmt(tune_s)} s, {_fmt(rate)} ex/s over it; trials {counts['trials']} "
+            f"(completed {counts['completed']}, stopped early {counts['stopped_early']}, "
+            f"errored {counts['errored']}, restored {counts.get('restored', 0)}); best val "
+            f"overall {_fmt(best.get('val', {}).get('val/overall'), 4)}, dev overall "
+            f"{_fmt(best.get('dev', {}).get('dev/overall'), 4)}")
+
+
 def table(doc: dict) -> str:
     """The evidence as Markdown: the steps, then each measurement's figures."""
     m = doc["machine"]
@@ -366,6 +381,17 @@ def table(doc: dict) -> str:
                 out += [f"| {r['trials']} | {_fmt(r['fused_ms'], 3)} "
                         f"| {_fmt(r['unfused_ms'], 3)} | {r['unfused_ms'] / r['fused_ms']:.2f} "
                         f"| {_fmt(r['fused_tflops'], 3)} |" for r in result["rows"]]
+            elif "counts" in result and "phases" in result:  # a search's summary.json
+                out += ["", _search_line(name, result)]
+            elif "runs" in result and "figures" in result:  # bench.peers' JSON
+                out += ["", f"{name}: " + "; ".join(
+                    f"{method} seed {seed} {_fmt(run.get('wall_s'))} s, dev "
+                    f"{_fmt((run.get('selected') or {}).get('dev'), 4)}"
+                    for method, seeds in result["runs"].items() for seed, run in seeds.items())
+                        + f"; figures {json.dumps(result['figures'])}"]
+            elif "dev/overall" in result:  # a training's metrics.json
+                out += ["", f"{name}: dev overall {result['dev/overall']:.4f}, val overall "
+                            f"{result.get('val/overall', float('nan')):.4f}"]
             elif "loop_over_fused" in result or "fused" in result and "tolerance" in result:
                 fused, loop = result.get("fused", {}), result.get("loop", {})
                 out += ["", f"{name}: vmapped SDPA {_fmt(fused.get('ms_median'), 3)} ms, "
