@@ -130,9 +130,11 @@ def load_tokenizer(model: str):
 
 
 def load_encoder(model: str, dropout: float | None = None):
-    """An ``AutoModel`` encoder; ``dropout`` overrides its hidden (and attention) dropout.
-    A weights file that cannot be read (truncated, not a weights file, not this model's
-    weights) is a :class:`ConfigError` naming it."""
+    """An ``AutoModel`` encoder in float32 (the trainer's weights, whatever dtype the
+    folder stores: transformers 5 would load fp16 weights as fp16); ``dropout`` overrides
+    its hidden (and attention) dropout.  A weights file that cannot be read (truncated,
+    not a weights file, not this model's weights) is a :class:`ConfigError` naming it."""
+    import torch
     from safetensors import SafetensorError
     from transformers import AutoModel
 
@@ -146,7 +148,8 @@ def load_encoder(model: str, dropout: float | None = None):
     weights = _weights_file(folder) if folder is not None else None
     where = weights or _describe(model, source)
     try:
-        encoder, info = AutoModel.from_pretrained(source, config=config, output_loading_info=True)
+        encoder, info = AutoModel.from_pretrained(source, config=config, dtype=torch.float32,
+                                                  output_loading_info=True)
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, SafetensorError,
             pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"{where}: cannot load the model weights ({first_line(exc)})",

