@@ -15,19 +15,9 @@ import argparse
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.fused import OpCounter
 from mtbert.fused_adamw import TrialAdamW
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def minilm_shapes() -> dict[str, tuple[int, ...]]:
@@ -74,7 +64,7 @@ def measure(n: int, device: str, repeats: int) -> dict[str, float]:
             "per_trial_loop": lambda: per_trial_loop(params, state, n, 1e-5, 0.01, 1.0)}
     for name, run in runs.items():
         run()
-        with _Ops() as ops:
+        with OpCounter() as ops:
             run()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -85,7 +75,7 @@ def measure(n: int, device: str, repeats: int) -> dict[str, float]:
             torch.cuda.synchronize()
         out[f"{name}_ms"] = (time.perf_counter() - wall) / repeats * 1000
         out[f"{name}_cpu_ms"] = (time.process_time() - cpu) / repeats * 1000
-        out[f"{name}_ops"] = ops.count
+        out[f"{name}_ops"] = ops.ops
     return out
 
 

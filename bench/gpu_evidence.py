@@ -103,16 +103,17 @@ def check(args) -> int:
 
 
 # ---------------------------------------------------------------------- tiny model
-def tiny_model(folder: Path, tokenizer_from: Path, hidden: int = 32, layers: int = 2) -> Path:
-    """A random BERT (hidden ``hidden``, ``layers`` layers, 2 heads) with the tokenizer of
-    ``tokenizer_from`` (its vocabulary size), saved to ``folder``."""
+def tiny_model(folder: Path, tokenizer_from: Path, hidden: int = 32, layers: int = 2,
+               seed: int = 0) -> Path:
+    """A random BERT (hidden ``hidden``, ``layers`` layers, 2 heads; weights from ``seed``)
+    with the tokenizer of ``tokenizer_from`` (its vocabulary size), saved to ``folder``."""
     import shutil
 
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_from)))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=2, intermediate_size=2 * hidden,
                         max_position_embeddings=128)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -139,20 +138,10 @@ def tokenizer_source() -> Path:
 
 def make_tiny_model(folder: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
     """A random ``BertConfig`` model saved with MiniLM's tokenizer (so token ids are real;
-    :func:`tokenizer_source`)."""
-    import torch
-    from transformers import BertConfig, BertModel
+    :func:`tokenizer_source`): the GPU evidence's dry-run model."""
+    from bench.gpu_evidence import tiny_model
 
-    source = tokenizer_source()
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=2, intermediate_size=2 * hidden,
-                        max_position_embeddings=128)
-    BertModel(config).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, folder / name)
-    return folder
+    return tiny_model(folder, tokenizer_source(), hidden=hidden, layers=layers, seed=seed)
 
 
 @pytest.fixture(scope="session")

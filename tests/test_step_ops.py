@@ -17,9 +17,8 @@ plain 478 / 510 / 512, SMART 1,330 / 1,409 / 1,398; a group of one stacked one t
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.fused import OpCounter
 from mtbert.data import load_data
 from mtbert.fused_training import FusedGroup
 from mtbert.trainer import Trainer
@@ -30,25 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
 SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0)
 
 
-class DispatchedOps(TorchDispatchMode):
-    """Counts the ops torch dispatches while it is on (autograd's backward included)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(engine, calls: list[int]):
     step = engine.step
 
     def counted(batches):
-        with DispatchedOps() as ops:
+        with OpCounter() as ops:
             out = step(batches)
-        calls.append(ops.count)
+        calls.append(ops.ops)
         return out
     return counted
 
