@@ -115,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"encoder: local folder or hub name (default {EMBEDDED_MODEL}, packaged)")
     p.add_argument("--budget", default="small", choices=list(BUDGETS), help=budgets)
     p.add_argument("--num-samples", type=int,
-                   help="trials (default: the budget's); asha-promote samples fewer once its "
-                        "first rung, or its deciding rung, has promoted its share "
-                        "(summary.json: counts.not_needed)")
+                   help="trials (default: the budget's); every one is sampled, under every "
+                        "scheduler")
     add_resource_arguments(p)
     p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
                    help=searcher_help())
