@@ -244,6 +244,33 @@ def test_a_mismatched_pair_is_one_error(tmp_path, capsys, tiny_model_dir, tiny_d
     _assert_one_error(capsys, rc, tmp_path, *expected)
 
 
+@pytest.mark.parametrize("text, expected", [
+    ('[{"lr": 1e-3, "dropout": 0.1,\n  "batch_size": 16,}]', ["line 2: not JSON"]),
+    ('{"lr": 1e-3}', ["expected a non-empty JSON list of objects"]),
+    ('[{"lr": 1e-3, "dropout": 0.1}]', ["point 1: no value of batch_size"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16},'
+     ' {"lr": 1e-3, "dropout": 0.5, "batch_size": 16}]',
+     ["point 2: dropout=0.5 is outside the space's uniform [0, 0.3]"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 12}]',
+     ["point 1: batch_size=12 is not one of the space's choices (8, 16)"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16, "warmup_ratio": 0.1}]',
+     ["point 1: warmup_ratio: not a key the space smoke searches"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16}, {"lr": 2e-3, "dropout": 0.2, '
+     '"batch_size": 8}, {"lr": 3e-3, "dropout": 0.0, "batch_size": 8}]',
+     ["3 points, more than --num-samples 2"]),
+])
+def test_bad_points_are_one_error_naming_the_file_and_point(tmp_path, capsys, tiny_model_dir,
+                                                            tiny_data_dir, text, expected):
+    """``--points FILE``: a file that is not a list of the space's points is one error line
+    naming the file (and the line, the point, the key), exit 2, nothing written."""
+    from mtbert.tune.cli import main
+    points = tmp_path / "points.json"
+    points.write_text(text)
+    rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, "--num-samples", "2",
+                    "--points", str(points)))
+    _assert_one_error(capsys, rc, tmp_path, f"--points {points}", *expected)
+
+
 def test_pbt_needs_a_space_that_samples_what_it_perturbs(tmp_path, capsys, tiny_model_dir,
                                                          tiny_data_dir):
     from mtbert.tune.cli import main
