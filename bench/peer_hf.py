@@ -25,7 +25,10 @@ budget's rungs in examples seen, ``OptunaSearch``, ``resources_per_trial``,
 ``max_concurrent_trials``, the best checkpoint of each trial kept) and ``optuna``
 (``create_study`` with a seeded TPE sampler and ``SuccessiveHalvingPruner``, one trial
 at a time in this process: the HF integration trains every trial on the one Trainer, so
-``n_jobs`` > 1 would share it between threads; it reports at ``global_step``).
+``n_jobs`` > 1 would share it between threads; it reports at ``global_step``).  Given
+``points`` (``--same-draws``), the ray backend's OptunaSearch proposes them first
+(``points_to_evaluate``) and the optuna backend's study has them enqueued
+(``enqueue_trial``) before ``hyperparameter_search`` loads it.
 """
 
 from __future__ import annotations
@@ -209,21 +212,32 @@ def ray_space(problem: Problem):
     return lambda trial: dict(domains)
 
 
-def run_hf_optuna(problem: Problem, out: Path, threads: int = 0) -> dict[str, Any]:
+def hf_named(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Configurations under the names HF gives the TrainingArguments fields."""
+    return [{HF_NAMES.get(k, k): v for k, v in p.items()} for p in points]
+
+
+def run_hf_optuna(problem: Problem, out: Path, threads: int = 0,
+                  points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``hyperparameter_search(backend="optuna")`` with a successive-halving pruner."""
     import optuna
 
     trainer = build_trainer(problem, out, threads)
     storage = f"sqlite:///{(out / 'optuna.db').resolve()}"
+    if points:  # the study hyperparameter_search creates, with the points enqueued
+        study = optuna.create_study(storage=storage, study_name="hf_optuna",
+                                    direction="maximize")
+        for point in hf_named(points):
+            study.enqueue_trial(point)
     best = trainer.hyperparameter_search(
         hp_space=optuna_space(problem), compute_objective=lambda m: m[OBJECTIVE],
         n_trials=problem.num_samples, direction="maximize", backend="optuna",
         sampler=optuna.samplers.TPESampler(seed=problem.seed),
         pruner=optuna.pruners.SuccessiveHalvingPruner(reduction_factor=round(
             problem.budget.reduction_factor)),
-        storage=storage, study_name="hf_optuna")
+        storage=storage, study_name="hf_optuna", load_if_exists=bool(points))
     study = optuna.load_study(study_name="hf_optuna", storage=storage)
-    trials = [{"trial_id": str(t.number), "state": t.state.name,
+    trials = [{"trial_id": str(t.number), "state": t.state.name, "config": sampled(t),
                **trial_progress(out / f"run-{t.number}")} for t in study.trials]
     checkpoints = sorted((out / f"run-{best.run_id}").glob("checkpoint-*"),
                          key=lambda p: int(p.name.split("-")[1]))
@@ -236,7 +250,8 @@ def run_hf_optuna(problem: Problem, out: Path, threads: int = 0) -> dict[str, An
 
 
 def run_hf_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
-               gpus_per_trial: float = 0.0, max_concurrent: int = 2) -> dict[str, Any]:
+               gpus_per_trial: float = 0.0, max_concurrent: int = 2,
+               points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``hyperparameter_search(backend="ray")`` with ASHA and Optuna's TPE."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -250,7 +265,8 @@ def run_hf_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
         n_trials=problem.num_samples, direction="maximize", backend="ray",
         resources_per_trial={"cpu": cpus_per_trial, "gpu": gpus_per_trial},
         max_concurrent_trials=max_concurrent,
-        search_alg=OptunaSearch(metric="objective", mode="max", seed=problem.seed),
+        search_alg=OptunaSearch(metric="objective", mode="max", seed=problem.seed,
+                                points_to_evaluate=hf_named(points) if points else None),
         scheduler=ASHAScheduler(metric="objective", mode="max", time_attr="examples_seen",
                                 max_t=budget.max_examples, grace_period=budget.grace_period,
                                 reduction_factor=budget.reduction_factor),
@@ -262,6 +278,8 @@ def run_hf_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
     trials, selected_checkpoint = [], None
     for trial in analysis.trials:
         trials.append({"trial_id": trial.trial_id, "state": trial.status,
+                       "config": {k: v for k, v in sampled(trial.config).items()
+                                  if k in problem.space.searched},
                        **trial_progress(out / "hf" / f"run-{trial.trial_id}")})
         if trial.trial_id == best.run_id:
             checkpoint = analysis.get_best_checkpoint(trial, metric="objective", mode="max")

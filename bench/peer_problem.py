@@ -10,6 +10,10 @@ project's own command line and loader, and the checks that every method saw it a
 * :func:`canonical_space`: a space as the project's YAML writes it, from the project's
   parameters, Ray Tune domains or Optuna distributions -- what each method searched,
   read back from the form it was given;
+* :func:`same_draws`: the configurations of ``--same-draws``, drawn once per seed by a
+  seeded Optuna ``RandomSampler`` over the space, that every method tries in that order;
+  :func:`config_key`: a configuration as one comparable string (the check that every
+  method tried the draws);
 * :func:`score`: a model's metrics on a split with the project's evaluation code (the
   trainer's: ``predict_split``, ``task_metrics``, ``split_metrics``);
 * :class:`TreeCPU`: the CPU seconds of a process and all its descendants (Ray's workers).
@@ -18,6 +22,7 @@ project's own command line and loader, and the checks that every method saw it a
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -162,6 +167,24 @@ def _canonical(spec: Any) -> dict[str, list] | None:
                 "loguniform" if spec.log else "quniform" if spec.step else "uniform")
         return {dist: [spec.low, spec.high] + ([spec.step] if dist == "quniform" else [])}
     return None  # a constant
+
+
+def same_draws(space, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` configurations of ``space`` (a SearchSpace) drawn by Optuna's RandomSampler
+    seeded with ``seed``: the same list for a space, ``n`` and seed on any machine."""
+    import optuna
+
+    distributions = space.optuna_distributions()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    return [study.ask(distributions).params for _ in range(n)]
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """A configuration as a string that equal draws share whatever form a tool gave them
+    back in (floats to 9 significant digits, ints as floats, keys sorted)."""
+    return json.dumps({k: (float(f"{v:.9g}") if isinstance(v, (int, float))
+                           and not isinstance(v, bool) else v)
+                       for k, v in sorted(config.items())})
 
 
 def score(model, cfg, data, split_name: str) -> dict[str, float]:

@@ -9,7 +9,9 @@ grace period and reduction factor), ``OptunaSearch`` (TPE, seeded) over the spac
 project's loader gives it to Ray (``SearchSpace.param_space``).  The data go to the
 workers through ``tune.with_parameters``.  No packing, no promoting ASHA, no step graphs,
 no MLflow.  The selected trial is Ray's best result over all its reports
-(``scope="all"``); its best checkpoint (the one kept) is the model scored.
+(``scope="all"``); its best checkpoint (the one kept) is the model scored.  Given
+``points`` (``--same-draws``), OptunaSearch proposes them first, in order
+(``points_to_evaluate``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def train_fn(config: dict[str, Any], data=None, base: dict[str, Any] | None = No
 
 
 def run_plain_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
-                  gpus_per_trial: float = 0.0, max_concurrent: int = 2) -> dict[str, Any]:
+                  gpus_per_trial: float = 0.0, max_concurrent: int = 2,
+                  points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run the search; returns what :mod:`bench.peers` records of it (``selected``: the
     trial, its config and the folder of its kept checkpoint)."""
     from ray import tune
@@ -63,7 +66,7 @@ def run_plain_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
         tune_config=tune.TuneConfig(
             metric=OBJECTIVE, mode="max", num_samples=problem.num_samples,
             max_concurrent_trials=max_concurrent, reuse_actors=False,
-            search_alg=OptunaSearch(seed=problem.seed),
+            search_alg=OptunaSearch(seed=problem.seed, points_to_evaluate=points),
             scheduler=ASHAScheduler(time_attr="examples_seen", max_t=budget.max_examples,
                                     grace_period=budget.grace_period,
                                     reduction_factor=budget.reduction_factor)),
@@ -80,6 +83,7 @@ def run_plain_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
                     if frame is not None and "examples_seen" in frame else 0)
         rows_file = Path(result.path) / ROWS_FILE
         trials.append({"trial_id": result.metrics.get("trial_id"), "examples": examples,
+                       "config": {k: result.config[k] for k in problem.space.searched},
                        "error": None if result.error is None else str(result.error)[:300],
                        "rows": (json.loads(rows_file.read_text(encoding="utf-8"))
                                 if rows_file.is_file() else None)})

@@ -6,6 +6,7 @@ Tune script, the same search problem for each, over seeds.
         [--space smart] [--budget small] [--num-samples N] [--cpus-per-trial 1]
         [--gpus-per-trial 0] [--max-concurrent 2] [--data-dir DIR] [--model MODEL]
         [--out bench_results/peers] [--json docs/bench/peers_cpu.json] [--report-only]
+        [--same-draws]
 
 Methods (bench/peer_ray.py and bench/peer_hf.py say how each peer is written):
 
@@ -31,6 +32,15 @@ code on the same rows (dev never selects); the trials that trained to the end of
 budget; the digest of the rows each trial trained on and the space the method searched
 (checked equal across methods).  Runs are kept in ``OUT/runs.json`` (later calls add to
 it; the settings must match) and written with the figures to ``--json``.
+
+``--same-draws``: the configurations are drawn once per seed (``same_draws``: a seeded
+Optuna RandomSampler over the space) and every method tries that list, in that order,
+as its searcher's given points (the project's ``--points``; ``OptunaSearch(
+points_to_evaluate=...)`` in the Ray peers; trials enqueued in the Optuna study of
+``hf_optuna``): what differs is the tool -- its scheduler, its trainer, its overheads --
+not the sampler's luck.  Over the seeds the figures then pair each peer with the
+project (:func:`paired`): the mean difference of wall, examples per second over the
+wall, CPU seconds, val and dev, its 95 % t interval, and win / tie / loss counts.
 """
 
 from __future__ import annotations
@@ -46,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import DATA_DIR, REPO, RESULTS
-from bench.peer_problem import OBJECTIVE, TreeCPU, driver_argv, load_problem, score
+from bench.peer_problem import (OBJECTIVE, TreeCPU, config_key, driver_argv, load_problem,
+                                same_draws, score)
 from mtbert.config import EMBEDDED_MODEL
 
 METHODS = {
@@ -59,7 +70,9 @@ METHODS = {
 PEERS = [m for m in METHODS if m != "project"]
 #: the settings every run kept in one runs.json shares
 SAME = ("space", "budget", "num_samples", "cpus_per_trial", "gpus_per_trial",
-        "max_concurrent", "data_dir", "model")
+        "max_concurrent", "data_dir", "model", "same_draws")
+#: the per-run figures compared in pairs over the seeds, and whether more is better
+PAIRED = {"wall_s": False, "ex_per_s": True, "cpu_s": False, "val": True, "dev": True}
 
 
 class BenchArgumentParser(argparse.ArgumentParser):
@@ -90,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each run's folder (Ray's trials, checkpoints) under OUT")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the figures of the runs in OUT/runs.json")
+    p.add_argument("--same-draws", action="store_true",
+                   help="draw the configurations once per seed (a seeded random sampler) "
+                        "and give every method that list, in order")
     p.add_argument("--one", choices=list(METHODS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -126,24 +142,36 @@ def problem_argv(args, seed: int, storage: Path, experiment: str) -> list[str]:
 
 # ---------------------------------------------------------------------- one run
 def run_method(method: str, argv: list[str], out: Path, cpus_per_trial: float = 1.0,
-               gpus_per_trial: float = 0.0, max_concurrent: int = 2) -> dict[str, Any]:
+               gpus_per_trial: float = 0.0, max_concurrent: int = 2,
+               draws: bool = False) -> dict[str, Any]:
     """Run ``method`` on the problem of ``tune_driver.py argv`` in this process (inside a
     Ray already started, if one is), writing under ``out``; then score its selected trial
-    on val and dev.  Returns the run's record (no wall or CPU figures: the caller's)."""
+    on val and dev.  ``draws``: every trial is one of the seed's ``same_draws``, in order.
+    Returns the run's record (no wall or CPU figures: the caller's)."""
     out.mkdir(parents=True, exist_ok=True)
     problem = load_problem(argv)
+    points = same_draws(problem.space, problem.num_samples, problem.seed) if draws else None
     if method == "project":
+        if points:
+            given = out / "points.json"
+            given.write_text(json.dumps(points, indent=1), encoding="utf-8")
+            argv = argv + ["--points", str(given)]
         record = _run_project(argv)
     elif method == "plain_ray":
         from bench.peer_ray import run_plain_ray
-        record = run_plain_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent)
+        record = run_plain_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent,
+                               points=points)
     elif method == "hf_ray":
         from bench.peer_hf import run_hf_ray
-        record = run_hf_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent)
+        record = run_hf_ray(problem, out, cpus_per_trial, gpus_per_trial, max_concurrent,
+                            points=points)
     else:
         from bench.peer_hf import run_hf_optuna
         record = run_hf_optuna(problem, out, threads=max(1, int(cpus_per_trial
-                                                                * max_concurrent)))
+                                                                * max_concurrent)),
+                               points=points)
+    if points:
+        record["draws"] = points
     selected = record["selected"]
     cfg, model = _selected_model(problem, selected)
     for split in ("val", "dev"):
@@ -178,7 +206,7 @@ def _run_project(argv: list[str]) -> dict[str, Any]:
     # the rows the project's trials trained on: what the selected trial's recorded config loads
     rows = rows_digest(load_data(TrainConfig.from_dict(best["config"], source="summary.json")))
     trials = [{"trial_id": t["trial_id"], "state": t["status"],
-               "examples": int(t.get("examples_seen") or 0),
+               "config": t["searched"], "examples": int(t.get("examples_seen") or 0),
                "examples_trained_own_count": t.get("examples_trained"), "rows": rows}
               for t in summary["trials"]]
     return {"trials": trials, "space": canonical_space(summary["space"]["params"]),
@@ -215,7 +243,7 @@ def _one(args) -> int:
     shutil.rmtree(folder, ignore_errors=True)
     argv = problem_argv(args, seed, folder / "project", f"peers-seed{seed}")
     record = run_method(args.one, argv, folder, args.cpus_per_trial, args.gpus_per_trial,
-                        args.max_concurrent)
+                        args.max_concurrent, draws=args.same_draws)
     Path(args.result).write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
     return 0
 
@@ -230,7 +258,9 @@ def measure(method: str, seed: int, args, out: Path) -> dict[str, Any]:
     log = out / f"{method}-seed{seed}.log"
     cmd = [sys.executable, "-m", "bench.peers", "--one", method, "--seeds", str(seed),
            "--result", str(result)] + [f"--{k.replace('_', '-')}={getattr(args, k)}"
-                                       for k in SAME if getattr(args, k) is not None]
+                                       for k in SAME if getattr(args, k) is not None
+                                       and k != "same_draws"]
+    cmd += ["--same-draws"] if args.same_draws else []
     cmd += ["--out", str(out)]
     load_before = os.getloadavg()
     started = time.time()
@@ -253,18 +283,40 @@ def measure(method: str, seed: int, args, out: Path) -> dict[str, Any]:
     return {**record, **figures}
 
 
+def run_figures(r: dict) -> dict[str, Any]:
+    """One run's figures: examples trained, wall, examples per second over the wall, CPU
+    seconds of its process tree, trials to the end, val and dev of its pick (± se)."""
+    s = r["selected"]
+    return {"examples": r["examples"], "wall_s": r["wall_s"],
+            "ex_per_s": r["examples"] / r["wall_s"], "cpu_s": r["cpu_s"],
+            "trials_at_end": r["trials_at_end"], "num_trials": r["num_trials"],
+            "val": s["val"], "val_se": s["val_se"], "dev": s["dev"], "dev_se": s["dev_se"]}
+
+
+def tried_the_draws(r: dict) -> bool | None:
+    """Whether a run's trials tried exactly its seed's draws (None: no draws given)."""
+    if not r.get("draws"):
+        return None
+    tried = sorted(config_key(t["config"]) for t in r["trials"] if t.get("config"))
+    return tried == sorted(config_key(d) for d in r["draws"])
+
+
 def figures(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
-    """Per seed: this project's wall over each peer's, whether its dev is within one
-    standard error of the best peer's; whether every method saw the same rows and space."""
+    """Per seed: each method's figures (:func:`run_figures`); this project's wall over
+    each peer's and its examples per second over each peer's; whether its dev is within
+    one standard error of the best peer's; whether every method saw the same rows and
+    space, and (``--same-draws``) tried the same configurations."""
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     per_seed = {}
     for seed in seeds:
         done = {m: r[seed] for m, r in runs.items() if seed in r and not r[seed].get("failed")}
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"methods": {m: run_figures(r) for m, r in done.items()}}
         project = done.get("project")
         peers = {m: r for m, r in done.items() if m != "project"}
         if project and peers:
             row["wall_ratio"] = {m: project["wall_s"] / r["wall_s"] for m, r in peers.items()}
+            mine = row["methods"]["project"]["ex_per_s"]
+            row["ex_per_s_ratio"] = {m: mine / row["methods"][m]["ex_per_s"] for m in peers}
             best = max(peers, key=lambda m: peers[m]["selected"]["dev"])
             gap = project["selected"]["dev"] - peers[best]["selected"]["dev"]
             row["best_peer_dev"] = best
@@ -276,8 +328,70 @@ def figures(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
         row["same_rows"] = len(digests) == 1
         row["same_space"] = len({json.dumps(r["space"], sort_keys=True)
                                  for r in done.values()}) == 1
+        tried = {m: tried_the_draws(r) for m, r in done.items()}
+        if any(v is not None for v in tried.values()):
+            draws = {json.dumps(r.get("draws"), sort_keys=True) for r in done.values()}
+            row["same_draws"] = len(draws) == 1 and all(tried.values())
+            row["tried_the_draws"] = tried
         per_seed[str(seed)] = row
     return per_seed
+
+
+def paired(runs: dict[str, dict[int, dict]], level: float = 0.95) -> dict[str, Any]:
+    """Each peer against the project over the seeds both ran: for each figure of
+    :data:`PAIRED`, the differences project - peer (one per seed), their mean, its ``level``
+    t interval (scipy; None with fewer than 2 seeds) and the project's wins, ties and
+    losses.  A tie in val or dev is a difference within one standard error of the
+    difference (the two picks' standard errors in quadrature); wall, CPU seconds and
+    examples per second have none per run, so they tie only when equal."""
+    import numpy as np
+    from scipy import stats
+
+    project = {s: r for s, r in runs.get("project", {}).items() if not r.get("failed")}
+    out: dict[str, Any] = {}
+    for peer, by_seed in runs.items():
+        if peer == "project":
+            continue
+        seeds = sorted(s for s, r in by_seed.items() if s in project and not r.get("failed"))
+        if not seeds:
+            continue
+        mine = [run_figures(project[s]) for s in seeds]
+        theirs = [run_figures(by_seed[s]) for s in seeds]
+        row: dict[str, Any] = {"seeds": seeds}
+        for key, more_is_better in PAIRED.items():
+            diffs = np.array([a[key] - b[key] for a, b in zip(mine, theirs)])
+            margins = [float(np.hypot(a[f"{key}_se"], b[f"{key}_se"])) if f"{key}_se" in a
+                       else 0.0 for a, b in zip(mine, theirs)]
+            wins = sum((d > m) if more_is_better else (d < -m) for d, m in zip(diffs, margins))
+            losses = sum((d < -m) if more_is_better else (d > m)
+                         for d, m in zip(diffs, margins))
+            interval = None
+            if len(diffs) > 1:
+                sem = stats.sem(diffs)
+                interval = ([float(diffs.mean())] * 2 if sem == 0 else
+                            [float(x) for x in stats.t.interval(level, len(diffs) - 1,
+                                                                loc=diffs.mean(), scale=sem)])
+            row[key] = {"diffs": [float(d) for d in diffs], "mean": float(diffs.mean()),
+                        f"ci{round(level * 100)}": interval, "win": int(wins),
+                        "tie": len(diffs) - int(wins) - int(losses), "loss": int(losses)}
+        out[peer] = row
+    return out
+
+
+def paired_table(pairs: dict[str, Any]) -> str:
+    """:func:`paired` as the page's table: one row per peer and figure."""
+    lines = ["| peer | figure | project - peer, per seed | mean | 95 % interval | "
+             "project wins / ties / losses |", "| --- | --- | --- | --- | --- | --- |"]
+    for peer, row in pairs.items():
+        for key in PAIRED:
+            f = row[key]
+            fmt = "{:+.4f}" if key in ("val", "dev") else "{:+.1f}"
+            ci = f["ci95"]
+            lines.append(f"| `{peer}` | {key} | {', '.join(fmt.format(d) for d in f['diffs'])} "
+                         f"| {fmt.format(f['mean'])} | "
+                         f"{'-' if ci is None else f'{fmt.format(ci[0])} to {fmt.format(ci[1])}'}"
+                         f" | {f['win']} / {f['tie']} / {f['loss']} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                 _write(runs_file, args, settings, runs)
     _write(runs_file, args, settings, runs)
     print(markdown_table(runs))
+    pairs = paired(runs)
+    if pairs:
+        print(paired_table(pairs))
     return 0
 
 
@@ -347,9 +464,9 @@ def _print_run(r: dict) -> None:
 
 def markdown_table(runs: dict[str, dict[int, dict]]) -> str:
     """The runs as the page's table: one row per method and seed."""
-    lines = ["| method | seed | wall | project wall / this wall | examples | CPU busy "
-             "(machine) | val overall | dev overall | trials to the end |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | seed | wall | project wall / this wall | examples | ex/s over the "
+             "wall | CPU s | CPU busy (machine) | val overall | dev overall | trials to the "
+             "end |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         project = runs.get("project", {}).get(seed)
         for method in METHODS:
@@ -357,14 +474,15 @@ def markdown_table(runs: dict[str, dict[int, dict]]) -> str:
             if r is None:
                 continue
             if r.get("failed"):
-                lines.append(f"| `{method}` | {seed} | failed (rc {r['rc']}) | | | | | | |")
+                lines.append(f"| `{method}` | {seed} | failed (rc {r['rc']}) | | | | | | | | |")
                 continue
             s, wall = r["selected"], r["wall_s"]
             ratio = (f"{project['wall_s'] / wall:.2f}" if project and method != "project"
                      and not project.get("failed") else "")
             lines.append(
                 f"| `{method}` | {seed} | {int(wall // 60)} min {int(wall % 60)} s | {ratio} | "
-                f"{r['examples']:,} | {r['cpu_busy']:.2f} ({r['machine_busy']:.2f}) | "
+                f"{r['examples']:,} | {r['examples'] / wall:.1f} | {r['cpu_s']:,.0f} | "
+                f"{r['cpu_busy']:.2f} ({r['machine_busy']:.2f}) | "
                 f"{s['val']:.4f} ± {s['val_se']:.4f} | {s['dev']:.4f} ± {s['dev_se']:.4f} | "
                 f"{r['trials_at_end']} of {r['num_trials']} |")
     return "\n".join(lines)
@@ -380,7 +498,7 @@ def portable(text: str, args) -> str:
 def _write(runs_file: Path, args, settings: dict, runs: dict) -> None:
     doc = {"settings": settings, "objective": OBJECTIVE, "methods": METHODS,
            "runs": {m: {str(s): r for s, r in sorted(by.items())} for m, by in runs.items()},
-           "figures": figures(runs)}
+           "figures": figures(runs), "paired": paired(runs)}
     runs_file.write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
     target = Path(args.json)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,8 @@ INTEGRATION_TESTS = {
     "test_tune_driver.py::test_cli_process_exit_codes": "tune_driver.py processes",
     "test_peers.py::test_bad_input_is_one_error_line_and_exit_2":
         "python -m bench.peers processes",
+    "test_peers.py::test_with_same_draws_every_method_tries_the_seeds_draws":
+        "python -m bench.peers processes, each starting Ray",
     "test_search_choices.py::test_missing_bohb_package_names_the_extra":
         "a tune_driver process",
     "test_tune_finalize.py::test_ensemble_run_is_reused_when_unchanged_and_superseded_when_changed":

@@ -88,48 +88,39 @@ def test_bohb_search_runs_on_the_budgets_rungs(run_search):
         assert t["examples_seen"] >= (192 if t["status"] == "completed" else 48)
 
 
-def test_asha_promote_search_promotes_the_top_third(run_search):
-    """``--scheduler asha-promote``: trials pause at the smoke budget's decision rung (48
-    examples; 144 is past the budget's middle); floor(n / 3) = 1 is promoted once 3 have
-    reached it, which ends the sampling (a 4th, if Ray had started it, is stopped before
-    the rung) and trains the whole budget, with both places' CPUs unless a trial stopped
-    then was still queued (schedulers.PromotingASHA._end_the_rest); the rest are stopped
-    at the rung.  The one promoted beat >= 2 others at the rung on its metric: with
-    --rung-metric left out, the first rung's of classes_soft,overall_soft.  (Threads fixed
-    to the CPUs Ray holds: with ``grow`` a trial alone for a moment reports 2 too.)"""
+def test_asha_promote_search_tries_every_trial_and_promotes_the_top_third(run_search):
+    """``--scheduler asha-promote`` with --num-samples 4: all 4 trials are drawn and each
+    is scored at the smoke budget's decision rung (48 examples; 144 is past the budget's
+    middle), where it pauses; floor(n / 3) = 1 is promoted once 3 have reached it, which
+    decides the search, and the 4th, drawn all the same, runs on to the rung and is scored
+    there (before 2026-11-29 the sampling ended at the decision: 3 of 4 tried).  The one
+    promoted trains the whole budget; the rest are stopped at the rung.  It beat >= 2
+    others at the rung on its metric: with --rung-metric left out, the first rung's of
+    classes_soft,overall_soft.  A trial was left to try at the decision, so the last leg
+    keeps its one CPU (schedulers.PromotingASHA._end_the_rest; threads fixed to the CPUs
+    Ray holds: with ``grow`` a trial alone for a moment reports 2)."""
     search = run_search("promote", "--scheduler", "asha-promote", "--trial-threads", "fixed",
                         trials=4)
     trials = search["summary"]["trials"]
-    _assert_recorded(search, "asha-promote", "optuna", len(trials))
+    _assert_recorded(search, "asha-promote", "optuna", 4)
     assert search["summary"]["rung_metric"] == "val/classes_soft,val/overall_soft"
-    assert len(trials) in (3, 4)
-    # the 4th, if never sampled, was not needed (the driver warns of no lost trial)
     counts = search["summary"]["counts"]
-    assert (counts["not_started"], counts["not_needed"]) == (0, 4 - len(trials))
+    assert counts["not_started"] == 0 and "not_needed" not in counts
     parent = next(r for r in search["runs"] if r.data.tags.get("kind") == "search")
-    assert parent.data.metrics["trials_not_needed"] == 4 - len(trials)
+    assert "trials_not_needed" not in parent.data.metrics
+    assert "not needed" not in search["console"]
     completed = [t for t in trials if t["status"] == "completed"]
     assert len(completed) == 1 and completed[0]["examples_seen"] >= 192
     stopped = [t for t in trials if t["status"] == "stopped_early"]
-    assert len(stopped) == len(trials) - 1
-    assert sum(48 <= t["examples_seen"] < 96 for t in stopped) >= 2
-    assert all(t["examples_seen"] < 96 for t in stopped)
-    at_rung, threads, unreported = {}, {}, 0
+    assert len(stopped) == 3 and all(48 <= t["examples_seen"] < 96 for t in stopped)
+    at_rung, threads = {}, {}
     for trial_id, df in search["ray"].trial_dataframes.items():
-        if df.empty:  # stopped before its first report (queued, maybe: see below)
-            unreported += 1
-            continue
-        if (df["examples_seen"] >= 48).any():
-            at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/classes_soft"]
+        at_rung[trial_id] = df[df["examples_seen"] >= 48].iloc[0]["val/classes_soft"]
         threads[trial_id] = df.set_index("examples_seen")["train/threads"].to_dict()
+    assert len(at_rung) == 4  # every trial asked for was scored at the rung
     winner = completed[0]["trial_id"]
-    assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2, \
-        (winner, at_rung, unreported, trials)
-    # the last leg: both places' CPUs, unless the last promotion stopped a queued trial
-    last_leg = threads[winner][max(threads[winner])]
-    assert last_leg == 2 or (last_leg == 1 and unreported)
-    assert all(n == 1 for t, d in threads.items() for e, n in d.items()
-               if t != winner or e <= 48)
+    assert sum(score < at_rung[winner] for score in at_rung.values()) >= 2, (winner, at_rung)
+    assert all(n == 1 for d in threads.values() for n in d.values()), threads
 
 
 def test_asha_on_overall_soft_search_sampled_by_optuna_multivariate(run_search):
@@ -251,6 +242,33 @@ def test_a_mismatched_pair_is_one_error(tmp_path, capsys, tiny_model_dir, tiny_d
     from mtbert.tune.cli import main
     rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, *flags))
     _assert_one_error(capsys, rc, tmp_path, *expected)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[{"lr": 1e-3, "dropout": 0.1,\n  "batch_size": 16,}]', ["line 2: not JSON"]),
+    ('{"lr": 1e-3}', ["expected a non-empty JSON list of objects"]),
+    ('[{"lr": 1e-3, "dropout": 0.1}]', ["point 1: no value of batch_size"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16},'
+     ' {"lr": 1e-3, "dropout": 0.5, "batch_size": 16}]',
+     ["point 2: dropout=0.5 is outside the space's uniform [0, 0.3]"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 12}]',
+     ["point 1: batch_size=12 is not one of the space's choices (8, 16)"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16, "warmup_ratio": 0.1}]',
+     ["point 1: warmup_ratio: not a key the space smoke searches"]),
+    ('[{"lr": 1e-3, "dropout": 0.1, "batch_size": 16}, {"lr": 2e-3, "dropout": 0.2, '
+     '"batch_size": 8}, {"lr": 3e-3, "dropout": 0.0, "batch_size": 8}]',
+     ["3 points, more than --num-samples 2"]),
+])
+def test_bad_points_are_one_error_naming_the_file_and_point(tmp_path, capsys, tiny_model_dir,
+                                                            tiny_data_dir, text, expected):
+    """``--points FILE``: a file that is not a list of the space's points is one error line
+    naming the file (and the line, the point, the key), exit 2, nothing written."""
+    from mtbert.tune.cli import main
+    points = tmp_path / "points.json"
+    points.write_text(text)
+    rc = main(_argv(tmp_path, tiny_model_dir, tiny_data_dir, "--num-samples", "2",
+                    "--points", str(points)))
+    _assert_one_error(capsys, rc, tmp_path, f"--points {points}", *expected)
 
 
 def test_pbt_needs_a_space_that_samples_what_it_perturbs(tmp_path, capsys, tiny_model_dir,
@@ -382,13 +400,17 @@ def test_asha_decides_on_the_rung_metric(rung_metric, stopped):
 
 class _Controller:
     """What PromotingASHA asks of Ray's TuneController: its trials (Ray's own Trial
-    objects), the searcher (the driver's RunningTrialsLimiter) and stop_trial."""
+    objects), the searcher (the driver's RunningTrialsLimiter), whether the search
+    algorithm has given every trial asked for (as Ray's SearchGenerator: once it has made
+    ``num_samples``, or where a test says so) and stop_trial.  It has no ``set_finished``:
+    the scheduler never ends the sampling."""
 
-    def __init__(self, searcher, finished):
+    def __init__(self, searcher, finished, num_samples: int):
         from types import SimpleNamespace
         self.trials = []
-        self.search_alg = SimpleNamespace(searcher=searcher, is_finished=lambda: finished[0],
-                                          set_finished=lambda: finished.__setitem__(0, True))
+        self.search_alg = SimpleNamespace(
+            searcher=searcher,
+            is_finished=lambda: finished[0] or len(self.trials) >= num_samples)
 
     def get_trials(self):
         return self.trials
@@ -414,7 +436,7 @@ def _promoting_asha(budget, num_samples: int, first_rung: int, last_leg_cpus: fl
                              metrics)
     limiter.set_search_properties(OBJECTIVE, "max", space.param_space())
     finished = [False]
-    return asha, limiter, _Controller(limiter, finished), finished, metrics[0]
+    return asha, limiter, _Controller(limiter, finished, num_samples), finished, metrics[0]
 
 
 def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
@@ -510,24 +532,28 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     """Rungs 222 and 666 decide (1,998 is past the budget's middle).  A trial reaching a
     rung continues if it is the best promotable of the top floor(n / 3); else it pauses
     and the freed place goes to the best promotable (highest rung first), or to a new
-    trial; a rung promotes at most synchronous halving's 9 / 3 and 3 / 3.  Once the first
-    rung's 3 are promoted the searcher is finished; the last promotion stops the trials
-    still running to a rung and resumes with both places' CPUs; at the end the trials
+    trial; a rung promotes at most synchronous halving's 9 / 3 and 3 / 3.  Every one of
+    the 9 trials asked for is drawn and scored at the first rung, those arriving after its
+    share is used too; the last promotion stops the trial promoted from the first rung
+    and running to the second, and lets the trials on their way to the first rung run on
+    (the promoted one keeps its CPU while trials are left to try); at the end the trials
     still paused are stopped."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    asha, limiter, controller, finished, soft = _promoting_asha_on_222(9, last_leg_cpus=2)
+    asha, limiter, controller, _, soft = _promoting_asha_on_222(9, last_leg_cpus=2)
     assert asha.rungs == [222, 666] and asha.quota == [3, 1]
     assert asha.set_search_properties(OBJECTIVE, "max") and asha.metric == soft
+    search_alg = controller.search_alg
 
-    def start(name):
-        assert not finished[0], "Ray asks a finished searcher for no trial"
+    def start(name, running=True):
+        assert not search_alg.is_finished(), "Ray asks a finished searcher for no trial"
         assert limiter.suggest(name) is not None, f"no place for {name}"
         trial = Trial("t", config={}, trial_id=name, stub=True)
         trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
-        trial.set_status(Trial.RUNNING)
+        if running:
+            trial.set_status(Trial.RUNNING)
         controller.trials.append(trial)
         return trial
 
@@ -558,32 +584,34 @@ def test_promoting_asha_promotes_as_li_et_al_algorithm_2():
     t["f"] = start("f")
     assert arrive(t["d"], 668, 0.75) == P and resume() is None  # rung 666: n = 2
     t["g"] = start("g")
-    assert not asha.ended_sampling
     assert arrive(t["f"], 224, 0.65) == C      # n = 6, top 2 = d, f: f goes on
-    assert finished[0] and asha.ended_sampling  # the first rung's 3: no trial comes after
+    assert len(asha.promoted[0]) == asha.quota[0] and not search_alg.is_finished()
     assert arrive(t["g"], 224, 0.90) == P      # top of 7, but the rung's share is used
-    t["h"] = Trial("t", config={}, trial_id="h", stub=True)  # one Ray had queued before
-    t["h"].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
-    controller.trials.append(t["h"])
+    t["h"] = start("h", running=False)          # drawn all the same; Ray queues it
     assert resume() is t["h"]
     assert arrive(t["f"], 668, 0.55) == P      # rung 666, n = 3: d (0.75) promoted
-    assert t["h"].status == Trial.TERMINATED   # ... and h, running to a rung, stopped
-    assert t["d"].placement_group_factory.required_resources["CPU"] == 1
-    assert resume() is t["d"]                   # with both places' CPUs
-    assert t["d"].placement_group_factory.required_resources == {"CPU": 2}
-    assert asha.choose_trial_to_run(controller) is None  # d runs; b, f, ... stay paused
-    assert all(t[n].status == Trial.PAUSED for n in "abcefg")
+    assert asha.decided
+    assert t["h"].status == Trial.RUNNING      # on its way to the first rung: it is tried
+    assert resume() is t["d"]                   # with its own CPU: i is still to be tried
+    assert t["d"].placement_group_factory.required_resources == {"CPU": 1}
+    assert arrive(t["h"], 224, 0.95) == P      # the best at the rung: no share is left
+    t["i"] = start("i")                         # the ninth and last, in h's place
+    assert search_alg.is_finished()
+    assert arrive(t["i"], 224, 0.20) == P
+    assert asha.choose_trial_to_run(controller) is None  # d runs; the rest stay paused
+    assert all(t[n].status == Trial.PAUSED for n in "abcefghi")
     t["d"].set_status(Trial.TERMINATED)         # d trained to the end
     assert asha.choose_trial_to_run(controller) is None
-    assert all(t[n].status == Trial.TERMINATED for n in "abcdefgh")
+    assert all(tr.status == Trial.TERMINATED for tr in controller.trials)
     assert asha.promoted == [{"b", "d", "f"}, {"d"}]
+    assert set(asha.scores[0]) == set("abcdefghi")  # all 9 scored at the first rung
     # a resumed search's fresh records: a trial that resumed from its rung-666 checkpoint
     # and reports only at the end of the budget is not judged there (it ends)
     fresh = _promoting_asha_on_222(9)[0]
     assert fresh.on_trial_result(controller, t["d"], {"examples_seen": 2000, soft: 0.8}) == C
     # Optuna was told each trial's first-rung soft score, once
     told = {tr.params["dropout"]: tr.value for tr in limiter.searcher._ot_study.trials}
-    assert sorted(told.values()) == [0.10, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90]
+    assert sorted(told.values()) == [0.10, 0.20, 0.40, 0.50, 0.60, 0.65, 0.70, 0.90, 0.95]
 
 
 def _arrivals(asha, controller, soft: str, trials: dict, resume: bool = False):
@@ -617,18 +645,20 @@ def _promoting_asha_small():
 def test_promoting_asha_is_decided_when_its_deciding_rung_has_promoted_its_share():
     """The main job's order of events (2026-11-26, `small`): the second rung promotes its 2
     among its first 3 arrivals, after 3 of the first rung's 4.  That decides the search --
-    no trial can train past 2,000 examples any more -- so the searcher is finished there,
-    the first rung's fourth share void (the run had sampled a fifth trial and trained it
-    2,000 examples for nothing); at the end the paused trials are stopped."""
+    no trial can train past 2,000 examples any more -- and the first rung's fourth share
+    is void; the three trials not yet drawn are drawn all the same (before 2026-11-29 the
+    searcher was finished there, 5 of the 8 tried), each scored at the first rung and
+    paused; the two promoted train on, each on its own CPU while trials are left to try;
+    at the end the paused trials are stopped."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    asha, limiter, controller, finished, soft = _promoting_asha_small()
+    asha, limiter, controller, _, soft = _promoting_asha_small()
     t = {}
 
     def start(name):
-        assert not finished[0] and limiter.suggest(name) is not None
+        assert not controller.search_alg.is_finished() and limiter.suggest(name) is not None
         t[name] = Trial("t", config={}, trial_id=name, stub=True)
         t[name].placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
         t[name].set_status(Trial.RUNNING)
@@ -650,60 +680,92 @@ def test_promoting_asha_is_decided_when_its_deciding_rung_has_promoted_its_share
     assert arrive("e", 2024, 0.440) == P       # second rung, n = 2: b (0.446) promoted
     assert asha.choose_trial_to_run(controller) is t["b"]
     t["b"].set_status(Trial.RUNNING)
-    assert not finished[0] and len(asha.promoted[0]) == 3 < asha.quota[0]
+    assert len(asha.promoted[0]) == 3 < asha.quota[0]
     assert arrive("d", 2024, 0.559) == C       # n = 3: d, the second rung's second
-    assert asha.promoted == [{"b", "d", "e"}, {"b", "d"}]
-    assert asha.decided and finished[0] and asha.ended_sampling  # the fourth share: void
-    assert asha.choose_trial_to_run(controller) is None  # b and d train on; nothing else
-    t["b"].set_status(Trial.TERMINATED), t["d"].set_status(Trial.TERMINATED)
+    assert asha.promoted == [{"b", "d", "e"}, {"b", "d"}] and asha.decided
+    assert not controller.search_alg.is_finished()  # 5 of 8 drawn: 3 still to try
+    assert asha.choose_trial_to_run(controller) is None  # b and d train on
+    t["b"].set_status(Trial.TERMINATED)         # b trained to the end: its place is free
+    limiter.on_trial_complete("b")
+    for name, score in (("f", 0.470), ("g", 0.300), ("h", 0.420)):
+        start(name)
+        assert arrive(name, 1024, score) == P  # f tops the first rung: no share is left
+    assert controller.search_alg.is_finished() and set(asha.scores[0]) == set("abcdefgh")
+    assert t["d"].placement_group_factory.required_resources == {"CPU": 1}
+    assert asha.choose_trial_to_run(controller) is None  # d trains on; nothing else
+    t["d"].set_status(Trial.TERMINATED)
     assert asha.choose_trial_to_run(controller) is None
-    assert all(t[n].status == Trial.TERMINATED for n in "abcde")
+    assert all(t[n].status == Trial.TERMINATED for n in "abcdefgh")
+    # the searcher was told all 8 first-rung scores
+    assert len(limiter.searcher._ot_study.get_trials(deepcopy=False)) == 8
 
 
 def test_the_decision_stops_a_trial_promoted_from_a_lower_rung_not_yet_resumed():
     """Where a first-rung promotion waits to be resumed when the deciding rung promotes
-    its last, that trial is stopped (no rung can promote it further), as is a trial
-    running to the first rung; the trials paused unpromoted stay until the end."""
+    its last, that trial is stopped (no rung can promote it further), while a trial
+    running to the first rung runs on (it is tried); the trials paused unpromoted stay
+    until the end.  The last promoted trial goes on with the CPUs of the stopped trial
+    (pausing to take them) only where no trial is left to try and the stopped one was not
+    queued by Ray (PENDING: Ray 2.60 holds a cached worker for it)."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    asha, limiter, controller, _, soft = _promoting_asha_small()
-    for name in "abcdef":
-        assert limiter.suggest(name) is not None
-        limiter.on_pause(name)  # paused: their places free
-        trial = Trial("t", config={}, trial_id=name, stub=True)
-        trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
-        trial.set_status(Trial.PAUSED)
-        controller.trials.append(trial)
-    a, b, c, d, e, f = controller.trials
-    # b, d and e promoted from the first rung, b promoted from the second and e paused
-    # there; a promoted from the first rung, waiting to be resumed; c paused, unpromoted
-    asha.scores = [{"a": 0.41, "b": 0.43, "c": 0.40, "d": 0.45, "e": 0.44}, {"b": 0.45,
-                                                                             "e": 0.44}]
-    asha.promoted = [{"a", "b", "d", "e"}, {"b"}]
-    assert asha._was_promoted(a) and not asha.decided
-    b.set_status(Trial.RUNNING), f.set_status(Trial.RUNNING)  # f runs to the first rung
-    d.set_status(Trial.RUNNING)
-    assert asha.on_trial_result(controller, d, {"examples_seen": 2024, soft: 0.56}) \
-        == TrialScheduler.CONTINUE  # n = 3, top 1: d, the second rung's second
-    assert asha.decided and asha.promoted[1] == {"b", "d"}
-    assert a.status == f.status == Trial.TERMINATED  # void now
-    assert c.status == e.status == Trial.PAUSED and b.status == d.status == Trial.RUNNING
-    assert asha.choose_trial_to_run(controller) is None
+    from mtbert.tune.search.budgets import get_budget
+    for f_running, queued, decision in ((True, False, TrialScheduler.CONTINUE),
+                                        (False, False, TrialScheduler.PAUSE),
+                                        (False, True, TrialScheduler.CONTINUE)):
+        asha, limiter, controller, _, soft = _promoting_asha(get_budget("small"), 8, 1000,
+                                                             last_leg_cpus=3)
+        for name in "abcdefgh":  # all 8 drawn
+            assert limiter.suggest(name) is not None
+            limiter.on_pause(name)  # paused: their places free
+            trial = Trial("t", config={}, trial_id=name, stub=True)
+            trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+            trial.set_status(Trial.PAUSED)
+            controller.trials.append(trial)
+        a, b, c, d, e, f, g, h = controller.trials
+        # b, d and e promoted from the first rung, b promoted from the second and e paused
+        # there; a promoted from the first rung, waiting to be resumed (or queued by Ray);
+        # c, g, h (and f, unless it still runs to the first rung) paused, unpromoted
+        asha.scores = [{"a": 0.41, "b": 0.43, "c": 0.40, "d": 0.45, "e": 0.44, "g": 0.30,
+                        "h": 0.31}, {"b": 0.45, "e": 0.44}]
+        asha.promoted = [{"a", "b", "d", "e"}, {"b"}]
+        assert asha._was_promoted(a) and not asha.decided
+        if queued:
+            a.set_status(Trial.PENDING)
+        if f_running:
+            f.set_status(Trial.RUNNING)
+        else:
+            asha.scores[0]["f"] = 0.32
+        b.set_status(Trial.RUNNING), d.set_status(Trial.RUNNING)
+        assert asha.on_trial_result(controller, d, {"examples_seen": 2024, soft: 0.56}) \
+            == decision  # n = 3, top 1: d, the second rung's second
+        assert asha.decided and asha.promoted[1] == {"b", "d"}
+        assert a.status == Trial.TERMINATED  # void now
+        assert f.status == (Trial.RUNNING if f_running else Trial.PAUSED)
+        assert c.status == e.status == Trial.PAUSED and b.status == Trial.RUNNING
+        if decision == TrialScheduler.PAUSE:  # b keeps its CPU: d takes a's and its own
+            d.set_status(Trial.PAUSED)
+            assert asha.choose_trial_to_run(controller) is d
+            assert d.placement_group_factory.required_resources == {"CPU": 2}
+        else:
+            assert asha.choose_trial_to_run(controller) is None
+            assert d.placement_group_factory.required_resources == {"CPU": 1}
 
 
 def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_none():
     """8 trials, rf 3: the first rung promotes 2, the second floor(2 / 3) = 0.  The second
     promotion from the first rung is the last one; the first promoted, training on to the
-    second rung, goes on (it was stopped there), and once both have paused at the second
-    rung and nothing runs, the end rule trains the better one to the end, with both
-    places' CPUs (the other one stays paused)."""
+    second rung, goes on, and the other 4 trials asked for are drawn and scored at the
+    first rung; once all 8 are tried, both promoted have paused at the second rung and
+    nothing runs, the end rule trains the better one to the end, with both places' CPUs
+    (the rest stay paused, then are stopped)."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
 
-    asha, limiter, controller, finished, soft = _promoting_asha_on_222(8, last_leg_cpus=2)
+    asha, limiter, controller, _, soft = _promoting_asha_on_222(8, last_leg_cpus=2)
     assert asha.rungs == [222, 666] and asha.quota == [2, 0]
     t = {}
 
@@ -723,9 +785,19 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
     assert asha.choose_trial_to_run(controller) is t["b"]
     t["b"].set_status(Trial.RUNNING)
     assert arrive("d", 224, 0.70) == C      # n = 4: d, the last promotion
-    assert finished[0] and asha.promoted == [{"b", "d"}, set()]
+    assert asha.promoted == [{"b", "d"}, set()] and not controller.search_alg.is_finished()
     assert t["b"].status == Trial.RUNNING   # promoted too: it trains on
-    assert arrive("b", 668, 0.62) == P and arrive("d", 668, 0.75) == P
+    assert arrive("b", 668, 0.62) == P
+    start("e")
+    assert arrive("d", 668, 0.75) == P
+    start("f")
+    for name, score in (("e", 0.3), ("f", 0.8)):  # f tops the first rung: no share left
+        assert arrive(name, 224, score) == P
+    assert asha.choose_trial_to_run(controller) is None  # g, h still to be drawn
+    for name in "gh":
+        start(name)
+        assert arrive(name, 224, 0.2) == P
+    assert controller.search_alg.is_finished()
     assert t["d"].placement_group_factory.required_resources == {"CPU": 1}  # b ran on
     assert asha.choose_trial_to_run(controller) is t["d"]  # the end rule: the better one
     assert asha.promoted == [{"b", "d"}, {"d"}]
@@ -733,11 +805,11 @@ def test_promoting_asha_keeps_the_first_rungs_promoted_when_the_next_promotes_no
 
 
 def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
-    """The trial whose own arrival makes the last promotion pauses (Ray changes the
-    resources of a trial that is not running) and is resumed at once with both places'
-    CPUs; with ``last_leg_cpus`` 0 it goes on as it is.  Where the last promotion stops a
-    PENDING trial (Ray 2.60 keeps it staged, and a cached worker with it: a smoke search
-    hung with the widened leg pending) it goes on as it is too."""
+    """The trial whose own arrival makes the last promotion, once every trial asked for
+    has been tried, pauses (Ray changes the resources of a trial that is not running) and
+    is resumed at once with both places' CPUs; with ``last_leg_cpus`` 0 it goes on as it
+    is, and so it does where a trial Ray has queued is still to be tried (it runs to the
+    first rung on its own CPU)."""
     from ray.tune.execution.placement_groups import PlacementGroupFactory
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import TrialScheduler
@@ -747,10 +819,11 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
     for cpus, pending, decision in ((2, False, TrialScheduler.PAUSE),
                                     (0, False, TrialScheduler.CONTINUE),
                                     (2, True, TrialScheduler.CONTINUE)):
-        asha, limiter, controller, finished, soft = _promoting_asha(
-            budget, 3, 48, last_leg_cpus=cpus, rung_metric="classes_soft")
+        asha, limiter, controller, _, soft = _promoting_asha(
+            budget, 3 + pending, 48, last_leg_cpus=cpus, rung_metric="classes_soft")
         assert asha.rungs == [48] and asha.quota == [1]
         if pending:  # queued by Ray, its worker not started, when the last promotion comes
+            assert limiter.suggest("q") is not None
             queued = Trial("t", config={}, trial_id="q", stub=True)
             queued.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
             controller.trials.append(queued)
@@ -765,10 +838,12 @@ def test_promoting_asha_resumes_a_last_promotion_that_arrives_with_more_cpus():
             if name != "c":
                 assert got == TrialScheduler.PAUSE
                 trial.set_status(Trial.PAUSED)
-        assert got == decision and finished[0] and asha.promoted == [{"c"}]
+                limiter.on_pause(name)
+        assert got == decision and asha.promoted == [{"c"}]
+        assert controller.search_alg.is_finished()
         c = controller.trials[-1]
         if pending:
-            assert controller.trials[0].status == Trial.TERMINATED
+            assert controller.trials[0].status == Trial.PENDING  # to be tried, not stopped
         if decision == TrialScheduler.PAUSE:
             c.set_status(Trial.PAUSED)
             assert asha.choose_trial_to_run(controller) is c

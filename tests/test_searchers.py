@@ -89,3 +89,26 @@ def test_running_trials_limiter_frees_paused_places_and_tells_the_first_rung():
     limiter.on_trial_complete("a")
     assert [t.value for t in study.trials[:2]] == [0.41, 0.47]
     assert limiter.suggest("e")  # b's end freed its place: d and e run
+
+
+@pytest.mark.parametrize("name, scheduler", [("optuna", "asha-promote"), ("optuna-mv", "asha"),
+                                             ("random", "asha")])
+def test_given_points_are_proposed_first_in_order(name, scheduler):
+    """``--points``: the searcher proposes the given configurations first, in order (Ray's
+    points_to_evaluate), then its own."""
+    space = parse_space({"description": "d", "params": {
+        "dropout": {"uniform": [0.1, 0.5]}, "batch_size": {"choice": [8, 16]}}}, "t.yaml")
+    points = [{"dropout": 0.123, "batch_size": 16}, {"dropout": 0.456, "batch_size": 8}]
+    searcher = build_searcher(name, seed=0, max_concurrent=3, num_samples=3,
+                              scheduler=scheduler, first_rung=48, points=points)
+    if name == "random":
+        from ray.tune.experiment import Experiment
+        searcher.add_configurations(Experiment("x", lambda config: None, num_samples=3,
+                                               config=space.param_space()))
+        configs = [searcher.next_trial().config for _ in range(3)]
+        proposed = [{k: c[k] for k in points[0]} for c in configs]
+    else:
+        assert searcher.set_search_properties("val/overall", "max", space.param_space())
+        proposed = [searcher.suggest(f"t{i}") for i in range(3)]
+    assert proposed[:2] == points
+    assert proposed[2] not in points and 0.1 <= proposed[2]["dropout"] <= 0.5

@@ -260,7 +260,8 @@ def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
                            "parent_run_id": "parent", "runs_view": None,
                            "ensemble_run_id": None}
     md = s.markdown()
-    assert "| 3 | 1 | 1 | 1 | 0 |" in md and "not sampled" not in md
+    assert "| trials | completed | stopped early (ASHA) | errored | never started |" in md
+    assert "| 3 | 1 | 1 | 1 | 2 |" in md
     assert "| 1 | a | completed | 192 | 0.5200 | 0.260 |" in md
     assert "- d: TrialFailed: nan loss" in md and "- lr: 0.700" in md
     table = s.console_table().splitlines()
@@ -270,20 +271,18 @@ def test_build_summary_and_its_renderings(tmp_path, summary_inputs):
                          "2 never started)")
 
 
-def test_trials_a_scheduler_made_unnecessary_are_not_needed_not_missing(tmp_path,
-                                                                         summary_inputs):
-    """Promoting ASHA finishes the searcher once its first rung's share is promoted: the
-    trials of num_samples never sampled are counted as not needed, not as never started
-    (which the driver warns of, and which keeps every checkpoint for a --resume)."""
+def test_every_trial_asked_for_and_not_run_is_counted_as_never_started(tmp_path,
+                                                                        summary_inputs):
+    """Every scheduler samples every trial asked for (promoting ASHA no longer ends the
+    sampling), so the trials of num_samples that did not run are never started -- which
+    the driver warns of, and which keeps every checkpoint for a --resume -- and the
+    summary has no other count for them."""
     records, ranking, dev_of, ensemble, report = summary_inputs
     s = build_summary(_settings(tmp_path), records, ranking, dev_of, ensemble, report,
-                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False,
-                      ended_sampling=True)
-    c = s.counts
-    assert (c.trials, c.not_started, c.not_needed) == (3, 0, 2)
-    assert json.loads(s.to_json())["counts"]["not_needed"] == 2
-    assert "| 3 | 1 | 1 | 1 | 2 |" in s.markdown() and "not sampled" in s.markdown()
-    assert s.console_table().splitlines()[-1].endswith("1 errored, 2 not needed)")
+                      MlflowRefs("sqlite:///x.db", "1", "parent"), interrupted=False)
+    counts = json.loads(s.to_json())["counts"]
+    assert (counts["trials"], counts["not_started"]) == (3, 2) and "not_needed" not in counts
+    assert "not needed" not in s.markdown() + s.console_table()
 
 
 def test_trials_ray_restored_after_a_worker_failure_are_counted(tmp_path, summary_inputs):

@@ -115,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"encoder: local folder or hub name (default {EMBEDDED_MODEL}, packaged)")
     p.add_argument("--budget", default="small", choices=list(BUDGETS), help=budgets)
     p.add_argument("--num-samples", type=int,
-                   help="trials (default: the budget's); asha-promote samples fewer once its "
-                        "first rung, or its deciding rung, has promoted its share "
-                        "(summary.json: counts.not_needed)")
+                   help="trials (default: the budget's); every one is sampled, under every "
+                        "scheduler")
+    p.add_argument("--points", metavar="FILE.json",
+                   help="configurations the searcher proposes first, in order: a JSON list "
+                        "of {key: value} for every key the space searches (Ray's "
+                        "points_to_evaluate; bench.peers --same-draws gives every method "
+                        "the same list)")
     add_resource_arguments(p)
     p.add_argument("--search-alg", default=None, choices=list(SEARCHERS),
                    help=searcher_help())

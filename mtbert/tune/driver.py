@@ -36,8 +36,8 @@ from mtbert.tune.results.retention import keep_what_was_asked
 from mtbert.tune.search.tuner import InterruptWatch, build_tuner
 from mtbert.tune.saved_settings import SETTINGS_FILE
 from mtbert.tune.settings import SearchSettings, resume_command
-from mtbert.tune.results.summary import (NOT_NEEDED_REASON, MlflowRefs, SearchSummary,
-                                         build_summary, first_ready_s, phases_line)
+from mtbert.tune.results.summary import (MlflowRefs, SearchSummary, build_summary,
+                                         first_ready_s, phases_line)
 from mtbert.tune.infra.tracking import SearchTracker
 from mtbert.tune.trial.fused_trainable import train_fused_trial
 from mtbert.tune.trial.trainer_pool import TrainerPool
@@ -79,8 +79,8 @@ def run(settings: SearchSettings) -> int:
         phases["tune_started_at"] = time.time()
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
         try:
-            grid, interrupted, ended_sampling = fit(settings, data, tracker, max_concurrent,
-                                                    pool.names if pool else ())
+            grid, interrupted = fit(settings, data, tracker, max_concurrent,
+                                    pool.names if pool else ())
             if pool:
                 print(f"[tune] {pool.placement_line()}", flush=True)
         finally:
@@ -88,8 +88,7 @@ def run(settings: SearchSettings) -> int:
                 pool.stop()
         phases["tune_ended_at"] = time.time()
         phases["tune_s"] = phases["tune_ended_at"] - phases["tune_started_at"]
-        return finish(settings, data, grid, tracker, parent_run, interrupted, ended_sampling,
-                      phases)
+        return finish(settings, data, grid, tracker, parent_run, interrupted, phases)
 
 
 #: CPUs of a fused trial's thin trial (it forwards reports; its trainer trains)
@@ -203,9 +202,8 @@ def parent_params(settings: SearchSettings, max_concurrent: int) -> dict:
 
 def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: int,
         trainers: tuple[str, ...] = ()):
-    """``Tuner.fit()`` (``trainers``: the fused path's trainer actors' names); returns Ray's ResultGrid, whether Ctrl-C stopped it, and whether
-    the scheduler ended the sampling (promoting ASHA, once its first rung's or deciding
-    rung's share is promoted: the trials of ``num_samples`` left were not needed)."""
+    """``Tuner.fit()`` (``trainers``: the fused path's trainer actors' names); returns Ray's
+    ResultGrid and whether Ctrl-C stopped it."""
     from ray import tune
 
     # on resume: trials that had ended before the driver died must not train again;
@@ -225,18 +223,17 @@ def fit(settings: SearchSettings, data, tracker: SearchTracker, max_concurrent: 
             {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial})
     budget = settings.budget
     callback = MlflowTrialCallback(tracker, settings.base, budget.max_examples, budget.rungs())
-    tuner, scheduler = build_tuner(settings, trainable, [callback], max_concurrent,
+    tuner, _ = build_tuner(settings, trainable, [callback], max_concurrent,
                                    points_for_searcher(settings))
     with InterruptWatch() as watch:
         grid = tuner.fit()
     # Ray ends stopped and paused trials' workers before their clean-up runs
     work_folders.sweep(wait_s=5.0)
-    return grid, watch.interrupted, bool(getattr(scheduler, "ended_sampling", False))
+    return grid, watch.interrupted
 
 
 def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_run: str,
-           interrupted: bool, ended_sampling: bool = False,
-           phases: dict[str, float] | None = None) -> int:
+           interrupted: bool, phases: dict[str, float] | None = None) -> int:
     """Rank the trials, ensemble the finalists, write the report and summary, log them.
     ``phases``: the wall clock of the command so far (see ``SearchSummary.phases``)."""
     import transformers
@@ -268,7 +265,7 @@ def finish(settings: SearchSettings, data, grid, tracker: SearchTracker, parent_
     refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
                       runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
-                            interrupted, ended_sampling, left_out, len(points_for_searcher(settings)))
+                            interrupted, left_out, len(points_for_searcher(settings)))
 
     log_trial_results(tracker, records, settings.base, data, preds, dev_of)
     if ensemble is not None:
@@ -356,9 +353,6 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
         print(f"warning: {counts.not_started} of the {settings.num_samples} trials asked for "
               f"never ran (a trial suggested just before the driver died is lost from Ray's "
               f"snapshot); start another search for more", file=sys.stderr)
-    if counts.not_needed:
-        print(f"[tune] {counts.not_needed} of the {settings.num_samples} trials asked for were "
-              f"not needed ({settings.scheduler}): {NOT_NEEDED_REASON}")
     if summary.best_trial is None:
         print(f"error: no trial produced a checkpoint ({counts.errored} errored); see "
               f"{location.exp_dir / 'summary.md'}", file=sys.stderr)

@@ -36,7 +36,7 @@ from mtbert.tune.search.choices import (check_optional_packages, check_per_rung,
                                         scheduler_choice, searcher_choice)
 from mtbert.tune.trial.objective import rung_metric_keys
 from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
-from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space
+from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space, read_points
 from mtbert.tune.infra.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
 #: --fuse: the trials trained by trainer actors (mtbert.tune.trial.group_trainer), those of
@@ -81,6 +81,7 @@ class SearchSettings:
     extend: str | None = None        # --extend: the earlier search's experiment name
     extend_trials: dict[str, Any] | None = None   # its parsed trials.json
     extends: EarlierSearch | None = None  # its trials, classified (resolved_for)
+    points: tuple[dict[str, Any], ...] = ()  # --points: proposed first, in order
 
     @property
     def experiment(self) -> str:
@@ -134,7 +135,7 @@ class SearchSettings:
         return {"args": args, "space": self.space.to_dict(), "space_path": self.space.path,
                 "budget": self.budget.to_dict(), "base": self.base,
                 "num_samples": self.num_samples, "experiment": self.experiment,
-                "mlflow_uri": self.mlflow_uri}
+                "mlflow_uri": self.mlflow_uri, "points": list(self.points)}
 
 
 def resume_command(settings: SearchSettings) -> str:
@@ -210,6 +211,10 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
                            searcher_choice(search_alg).learns_from_earlier)
     if not args.address:
         _check_compile_modes(space, args.gpus_per_trial)
+    points = read_points(args.points, space) if getattr(args, "points", None) else ()
+    if len(points) > num_samples:
+        raise ConfigError(f"--points {args.points}: {len(points)} points, more than "
+                          f"--num-samples {num_samples}")
     return SearchSettings(
         space=space, space_arg=args.space, budget=budget, num_samples=num_samples,
         top_k=min(top_k, pool), location=location, storage_arg=args.storage_path,
@@ -223,7 +228,8 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
         mlflow_fallback_local=bool(args.mlflow_fallback_local), mps=getattr(args, "mps", "auto"),
         trial_threads=getattr(args, "trial_threads", "grow"),
         fuse=getattr(args, "fuse", "auto"),
-        extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None)
+        extend=getattr(args, "extend", None), extend_trials=extended.trials if extended else None,
+        points=points)
 
 
 def _storage(storage_path: str) -> tuple[Path, str | None]:

@@ -151,7 +151,7 @@ def log_search_metrics(tracker: SearchTracker, parent_run: str, summary) -> None
     best trial's id, and the report files."""
     c = summary.counts
     metrics = {"trials_completed": c.completed, "trials_stopped_early": c.stopped_early,
-               "trials_errored": c.errored, "trials_not_needed": c.not_needed,
+               "trials_errored": c.errored,
                "trials_restored": c.restored, "examples_trained": summary.examples_trained}
     if summary.best_trial:
         b = summary.best_trial

@@ -32,12 +32,9 @@ class Counts:
     errored: int
     interrupted: int
     # trials asked for that never ran: not sampled yet when the search was interrupted
-    # (--resume runs them), or lost to a driver crash (see the driver's warning)
+    # (--resume runs them), or lost to a driver crash (see the driver's warning); every
+    # scheduler samples every trial asked for, so a complete search has none
     not_started: int
-    # trials asked for that the scheduler made unnecessary: promoting ASHA finishes the
-    # searcher once its first rung has promoted its share (none sampled later could be
-    # promoted); the search is complete without them
-    not_needed: int = 0
     # trials whose worker failed (a node lost, a process killed, a GPU fault) and that Ray
     # restored from their last checkpoint at least once (--max-failures)
     restored: int = 0
@@ -88,22 +85,13 @@ RESTORED_LINE = ("{n} of the trials had their worker fail and were restored from
 TRAINED_LINE = ("{n:,} examples trained by this search's trials, every one counted: those "
                 "trained after a trial's last evaluation before the scheduler stopped or "
                 "paused it, and those trained again after a restore from a checkpoint")
-#: why ``Counts.not_needed`` trials were never sampled (summary.md and the driver say it)
-NOT_NEEDED_REASON = ("the scheduler had promoted its first rung's share (or its deciding "
-                     "rung's), and no trial started later could have been promoted")
-
-
-def count_trials(records: list[TrialRecord], num_samples: int,
-                 ended_sampling: bool = False) -> Counts:
-    """``ended_sampling``: the scheduler finished the searcher (see ``Counts.not_needed``)."""
+def count_trials(records: list[TrialRecord], num_samples: int) -> Counts:
     by = [r.status for r in records]
-    left = max(0, num_samples - len(records))
     return Counts(trials=len(records), completed=by.count(TrialStatus.COMPLETED),
                   stopped_early=by.count(TrialStatus.STOPPED_EARLY),
                   errored=by.count(TrialStatus.ERROR),
                   interrupted=by.count(TrialStatus.INTERRUPTED),
-                  not_started=0 if ended_sampling else left,
-                  not_needed=left if ended_sampling else 0,
+                  not_started=max(0, num_samples - len(records)),
                   restored=sum(1 for r in records if r.retries))
 
 
@@ -273,7 +261,7 @@ def extension_summary(settings, left_out: dict[str, str], told: int) -> Extensio
 def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord],
                   dev_of: dict[str, dict[str, float]], ensemble, report: dict[str, Any],
                   mlflow: MlflowRefs, interrupted: bool,
-                  ended_sampling: bool = False, left_out: dict[str, str] | None = None,
+                  left_out: dict[str, str] | None = None,
                   told: int = 0) -> SearchSummary:
     """The summary of a finished (or interrupted) search; ``ensemble`` is an
     :class:`~mtbert.tune.results.finalists.EnsembleResult` or None; ``report`` is what
@@ -283,7 +271,7 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
     earlier trials the searcher was told."""
     exp_dir = settings.location.exp_dir
     searched_keys = list(settings.space.searched)
-    counts = count_trials(records, settings.num_samples, ended_sampling)
+    counts = count_trials(records, settings.num_samples)
 
     def searched(r: TrialRecord) -> dict[str, Any]:
         return {k: r.config[k] for k in searched_keys if k in r.config}
@@ -362,13 +350,10 @@ def _markdown(s: SearchSummary) -> str:
                   f"{r.get('mps') or 'not recorded'}.", ""]
     if s.phases:
         lines += [phases_line(s.phases) + ".", ""]
-    lines += ["| trials | completed | stopped early (ASHA) | errored | not needed |",
+    lines += ["| trials | completed | stopped early (ASHA) | errored | never started |",
              "| --- | --- | --- | --- | --- |",
              f"| {c.trials} | {c.completed} | {c.stopped_early} | {c.errored} | "
-             f"{c.not_needed} |", ""]
-    if c.not_needed:
-        lines += [f"{c.not_needed} of the trials asked for were not sampled: "
-                  f"{NOT_NEEDED_REASON}.", ""]
+             f"{c.not_started} |", ""]
     if c.restored:
         lines += [f"{RESTORED_LINE.format(n=c.restored)}.", ""]
     if s.examples_trained:
@@ -463,8 +448,6 @@ def _console_table(s: SearchSummary) -> str:
     tail = f", {c.interrupted} interrupted before the end" if c.interrupted else ""
     if c.not_started:
         tail += f", {c.not_started} never started"
-    if c.not_needed:
-        tail += f", {c.not_needed} not needed"
     if c.restored:
         tail += f", {c.restored} restored after a worker failure"
     lines.append(f"trials: {c.trials} ({c.completed} completed, {c.stopped_early} "

@@ -71,9 +71,11 @@ class SearcherChoice(Choice):
     learns_from_earlier: ClassVar[bool] = False
 
     def build(self, seed: int, max_concurrent: int, num_samples: int,
-              scheduler: SchedulerChoice, first_rung: int, told_metric: str, earlier=()):
+              scheduler: SchedulerChoice, first_rung: int, told_metric: str, earlier=(),
+              points=()):
         """Ray's searcher; ``earlier``: extension.EarlierPoint to tell it first (where it
-        :attr:`learns_from_earlier`)."""
+        :attr:`learns_from_earlier`); ``points``: configurations it proposes first, in
+        order (Ray's ``points_to_evaluate``)."""
         raise NotImplementedError
 
 
@@ -95,7 +97,7 @@ class _Optuna(SearcherChoice):
     learns_from_earlier = True
 
     def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
-              earlier=()):
+              earlier=(), points=()):
         import optuna
         from ray.tune.search import ConcurrencyLimiter
 
@@ -108,7 +110,8 @@ class _Optuna(SearcherChoice):
         # ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup,
                                              multivariate=self.multivariate, group=False)
-        searcher = DistinctOptunaSearch(sampler=sampler, earlier=earlier)
+        searcher = DistinctOptunaSearch(sampler=sampler, earlier=earlier,
+                                        points_to_evaluate=list(points) or None)
         if scheduler.frees_paused_places:
             return RunningTrialsLimiter(searcher, max_concurrent, first_rung=first_rung,
                                         told_metric=told_metric)
@@ -137,9 +140,10 @@ class Random(SearcherChoice):
     default_scheduler = "asha"
 
     def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
-              earlier=()):
+              earlier=(), points=()):
         from ray.tune.search.basic_variant import BasicVariantGenerator
-        return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
+        return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent,
+                                     points_to_evaluate=list(points) or None)
 
 
 @register
@@ -152,11 +156,12 @@ class Bohb(SearcherChoice):
     default_scheduler = "bohb"
 
     def build(self, seed, max_concurrent, num_samples, scheduler, first_rung, told_metric,
-              earlier=()):
+              earlier=(), points=()):
         from ray.tune.search.bohb import TuneBOHB
         # its own limit counts running trials only: a trial HyperBand paused at a rung
         # frees its place (a ConcurrencyLimiter would count it and stall the bracket)
-        return TuneBOHB(seed=seed, max_concurrent=max_concurrent)
+        return TuneBOHB(seed=seed, max_concurrent=max_concurrent,
+                        points_to_evaluate=list(points) or None)
 
 
 # ---------------------------------------------------------------------- resolving

@@ -359,3 +359,39 @@ def list_spaces(spaces_dir: str | Path | None = None) -> list[tuple[str, str]]:
         except SpaceError as exc:
             out.append((name, f"INVALID: {exc}"))
     return out
+
+
+# ---------------------------------------------------------------------- given points
+def read_points(path: str | Path, space: SearchSpace) -> tuple[dict[str, Any], ...]:
+    """``--points FILE.json``: a JSON list of configurations the searcher proposes first,
+    in order, each ``{key: value}`` for every key ``space`` searches and no other, each
+    value one of the key's distribution (on a ``quniform`` step, as Optuna demands).
+    ConfigError naming the file, the point (1-based) and the key."""
+    import json
+
+    where = f"--points {path}"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: line {exc.lineno}: not JSON ({exc.msg})") from None
+    if not isinstance(doc, list) or not doc or not all(isinstance(p, dict) for p in doc):
+        raise ConfigError(f"{where}: expected a non-empty JSON list of objects "
+                          "({key: value, ...}, one per trial)")
+    searched = space.searched
+    for i, point in enumerate(doc, 1):
+        for key in searched:
+            if key not in point:
+                raise ConfigError(f"{where}: point {i}: no value of {key}, which the space "
+                                  f"searches ({searched[key].describe()})", key=key)
+        for key, value in point.items():
+            if key not in searched:
+                raise ConfigError(f"{where}: point {i}: {key}: not a key the space "
+                                  f"{space.name} searches ({', '.join(searched)})", key=key)
+            problem = searched[key].rejects(value)
+            if problem:
+                raise ConfigError(f"{where}: point {i}: {problem}", key=key)
+    return tuple(dict(p) for p in doc)

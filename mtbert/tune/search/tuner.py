@@ -27,15 +27,17 @@ def trial_name(trial) -> str:
 
 def build_searcher(name: str, seed: int, max_concurrent: int, num_samples: int,
                    scheduler: str = "asha", first_rung: int = 0,
-                   rung_metric: str | Sequence[str] = OBJECTIVE, earlier=()):
+                   rung_metric: str | Sequence[str] = OBJECTIVE, earlier=(), points=()):
     """The ``--search-alg``; under a scheduler that frees paused trials' places
     (``asha-promote``; Optuna only) behind a RunningTrialsLimiter told each trial's
     ``rung_metric`` (the first rung's, where one per rung) at ``first_rung`` examples.
     ``earlier``: extension.EarlierPoint it is told first (``--extend``:
-    extension.points_for_searcher)."""
+    extension.points_for_searcher); ``points``: configurations it proposes first, in
+    order (``--points``: Ray's ``points_to_evaluate``)."""
     return searcher_choice(name).build(seed, max_concurrent, num_samples,
                                        scheduler_choice(scheduler), first_rung,
-                                       _per_rung(rung_metric)[0], earlier=list(earlier))
+                                       _per_rung(rung_metric)[0], earlier=list(earlier),
+                                       points=[dict(p) for p in points])
 
 
 def build_scheduler(name: str, budget: Budget, space=None,
@@ -105,7 +107,7 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int,
         search_alg=build_searcher(
             settings.search_alg, settings.seed, 0 if population else max_concurrent,
             settings.num_samples, settings.scheduler, settings.budget.grace_period,
-            rung_metric_keys(settings.rung_metric), earlier),
+            rung_metric_keys(settings.rung_metric), earlier, settings.points),
         scheduler=scheduler, reuse_actors=reuses_actors(settings.scheduler, settings.address),
         # PBT / PB2 keep every checkpoint while they run: a trial restores another's
         # latest checkpoint some time after PBT chose it, and by then a top-2 rule can

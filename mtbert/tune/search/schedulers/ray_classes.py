@@ -107,11 +107,14 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     promotable trial of the highest rung that has one (in the top floor(n_k / rf) of the
     n_k trials that reached rung k, not yet promoted from it), else to a new trial.  A rung
     promotes at most synchronous halving's share (floor(N_k / rf), N_0 = ``num_samples``).
-    Once the first rung's share is used the searcher is finished; once the deciding
-    (highest) rung's is, the search is decided: the trials still running to a rung are
-    stopped and the promoted one trains on with their CPUs (``last_leg_cpus``).  With
-    nothing left to run, the best trial of the highest rung that promoted none trains
-    the whole budget, and the trials still paused are stopped.
+    The searcher gives every trial asked for, as Li et al.'s ASHA draws a new trial
+    whenever it cannot promote: each is scored at the first rung (and told to the
+    searcher there), promoted where its rung's share allows.  Once the deciding (highest)
+    rung's share is used the search is decided: the trials promoted from a lower rung and
+    still running to the next are stopped, and where no trial is left to try the promoted
+    one trains on with their CPUs (``last_leg_cpus``).  With nothing left to run, the best
+    trial of the highest rung that promoted none trains the whole budget, and the trials
+    still paused are stopped.
 
     On ``--resume`` its records start afresh (Ray saves no scheduler's state): the trials
     paused at a rung train on to the next one and are judged there.  Its searcher is a
@@ -251,26 +254,15 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
 
     def _promote(self, tune_controller, trial, k: int, arriving=None):
         """Promote ``trial`` from rung ``k`` (paused there, or arriving: it keeps its
-        place): it takes a running place.  With the first rung's share used, or the
-        deciding rung's, the searcher is finished; with the deciding rung's, the other
-        trials still running to a rung are stopped and this one is to resume with the CPUs
-        they held."""
+        place): it takes a running place.  With the deciding rung's share used, the
+        trials promoted from a lower rung and still running to the next are stopped, and
+        this one is to resume with the CPUs they held where no trial is left to try."""
         self.promoted[k].add(trial.trial_id)
         if trial.status != trial.RUNNING:
             tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
-        if self.ended_sampling:
-            tune_controller.search_alg.set_finished()
         if self.decided:
             self._end_the_rest(tune_controller, trial, arriving)
         return trial
-
-    @property
-    def ended_sampling(self) -> bool:
-        """The first rung has promoted its share, or the search is decided, so the searcher
-        is finished: the trials of num_samples never sampled were not needed, not lost (the
-        driver's summary)."""
-        return self.decided or bool(self.promoted and self.promoted[0]
-                                    and len(self.promoted[0]) >= self.quota[0])
 
     @property
     def decided(self) -> bool:
@@ -288,19 +280,24 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         return trial
 
     def _end_the_rest(self, tune_controller, last, arriving) -> None:
-        """The last promotion: stop the trials running to a rung (no rung can promote
-        them; ``arriving``, whose result is being decided, pauses instead) and give
-        their CPUs, with its own, to ``last`` (see ``last_leg_cpus``)."""
+        """The last promotion: stop the trials promoted from a lower rung and running to
+        the next (no rung can promote them further; ``arriving``, whose result is being
+        decided, pauses instead), let the trials not yet scored at the first rung run on
+        to it (every trial asked for is tried), and, where no trial is left to try, give
+        the stopped trials' CPUs, with its own, to ``last`` (see ``last_leg_cpus``)."""
         # the trials promoted by the last rung that promotes any (9 trials, rf 3: 3 -> 1;
         # 8 trials: 2 -> 0, both of the first rung's go on, and the end rule picks one)
         deciding = self.deciding
         kept, stopped_pending = 0.0, False
+        to_try = not tune_controller.search_alg.is_finished()
         for t in tune_controller.get_trials():
             if t is last or t.status not in (t.RUNNING, t.PENDING, t.PAUSED):
                 continue
             if t.trial_id in self.promoted[deciding]:
                 if self._top_rung(t.trial_id) == deciding:  # not yet paused at a later rung
                     kept += trial_cpus(t)  # training, or about to train, the rest
+            elif self._top_rung(t.trial_id) < 0:
+                to_try |= t is not arriving  # on its way to the first rung: it is tried
             elif t is not arriving and (t.status != t.PAUSED or self._was_promoted(t)):
                 # (paused and promoted from a lower rung, not yet resumed: void now)
                 stopped_pending |= t.status == t.PENDING
@@ -308,9 +305,11 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         # Ray 2.60's controller keeps a PENDING trial it stops (staged, its actor not yet
         # started) among its staged trials, so its actor cache goes on holding a cached
         # 1-CPU worker for it; a resumed leg that needs that CPU then waits forever.  The
-        # last leg keeps its CPUs then.
+        # last leg keeps its CPUs then, and while trials are left to try (on a CPU,
+        # ``--trial-threads grow`` takes the cores they free as they pause).
         cpus = self.last_leg_cpus - kept
-        if cpus > trial_cpus(last) > 0 and not trial_gpus(last) and not stopped_pending:
+        if (cpus > trial_cpus(last) > 0 and not trial_gpus(last) and not stopped_pending
+                and not to_try):
             self._widen[last.trial_id] = cpus
 
     def _paused_at(self, trial, k: int) -> bool:
