@@ -54,7 +54,7 @@ fi
 [ -z "$budget" ] && { [ $dry = 1 ] && budget=1500 || budget=520; }
 [[ $budget =~ ^[0-9]+$ ]] || { echo "error: --budget-s $budget: expected whole seconds" >&2; exit 2; }
 model=$(realpath -m "${positional[0]}"); data=$(realpath -m "${positional[1]}")
-out=$(realpath -m "${positional[2]}")
+dest=$(realpath -m "${positional[2]}")
 [ -n "$mpnet" ] && mpnet=$(realpath -m "$mpnet")
 if [ -z "$steps" ]; then
   steps="1,2,3,4"
@@ -82,17 +82,17 @@ check=("$model" "$data")
 [ -n "$mpnet" ] && check+=(--mpnet "$mpnet")
 "$python" -m bench.gpu_evidence check "${check[@]}" || exit 2
 
-mkdir -p "$out" || exit 2
+mkdir -p "$dest" || exit 2
 # the work folder (the token cache, the tiny model, the searches' results; removed at the
 # end): beside the evidence for a dry run, outside OUT_DIR on a GPU host, so that OUT_DIR
 # never holds more than the evidence files, even after a run cut short
 if [ $dry = 1 ]; then
-  work="$out/.work"; rm -rf "$work" && mkdir -p "$work"
+  work="$dest/.work"; rm -rf "$work" && mkdir -p "$work"
 else
   work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_evidence.XXXXXX") || exit 1
 fi
-evidence="$out/evidence.json"; log="$out/evidence.log"; util="$out/gpu_util.csv"
-rm -f "$evidence" "$log" "$out/evidence.md" "$util"
+evidence="$dest/evidence.json"; log="$dest/evidence.log"; util="$dest/gpu_util.csv"
+rm -f "$evidence" "$log" "$dest/evidence.md" "$util"
 export MTBERT_CACHE="$work/cache" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 smi=""
@@ -113,7 +113,7 @@ started=$(date +%s); deadline=$((started + budget)); failed=0
 "$python" -m bench.gpu_evidence init "$evidence" --set "model=$model" --set "data=$data" \
   --set "mpnet=$mpnet" --set "dry_run=$dry" --set "steps=${wanted# }" \
   --set "budget_s=$budget" || exit 1
-echo "gpu_evidence: steps ${wanted# }within $budget s; $out" | tee -a "$log"
+echo "gpu_evidence: steps ${wanted# }within $budget s; $dest" | tee -a "$log"
 
 # step NAME LIMIT_S NEED_S SIGNAL RESULT_JSON -- COMMAND...: COMMAND under `timeout`
 # (its limit cut to the time left; skipped when less than NEED_S is left), its output to
@@ -245,7 +245,7 @@ if [ $failed = 0 ]; then
   fi
 fi
 
-"$python" -m bench.gpu_evidence table "$evidence" --markdown "$out/evidence.md" | tee -a "$log"
-echo "gpu_evidence: $(( $(date +%s) - started )) s; exit $failed; files: $(ls "$out" | tr '\n' ' ')" \
+"$python" -m bench.gpu_evidence table "$evidence" --markdown "$dest/evidence.md" | tee -a "$log"
+echo "gpu_evidence: $(( $(date +%s) - started )) s; exit $failed; files: $(ls "$dest" | tr '\n' ' ')" \
   | tee -a "$log"
 exit $failed
