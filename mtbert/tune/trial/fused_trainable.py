@@ -132,7 +132,7 @@ def _lost(names: tuple[str, ...], marker: Path, what: str, exc: BaseException) -
             ray.get(ray.get_actor(name).node_id.remote(), timeout=ANSWER_S)
             break  # this one answers: a retry joins it
         except ray.exceptions.ActorDiedError as died:  # no restart left, or its restart failed
-            dead.append(f"{name}: {_first_line(died)}")
+            dead.append(f"{name}: {first_line(died)}")
         except ValueError as gone:  # not known to Ray any more
             dead.append(f"{name}: {gone}")
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -144,7 +144,8 @@ def _lost(names: tuple[str, ...], marker: Path, what: str, exc: BaseException) -
     return TrialFailed(reason)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mtbert.tune.trial.fused_trainable import first_line
 from mtbert.tune.trial.group_trainer import TRAINER_PREFIX, TRAINER_RESTARTS, GroupTrainer
 
 #: the logger of Tune's trial failures (with their tracebacks)
@@ -60,7 +61,7 @@ class TrainerPool:
                 ray.get(handle.tune_ended.remote(), timeout=wait_s)
                 p = ray.get(handle.placement.remote(), timeout=wait_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                parts.append(f"trainer {i}: no answer ({_first_line(exc)})")
+                parts.append(f"trainer {i}: no answer ({first_line(exc)})")
                 continue
             restarted = f", restarted {p['restarts']}x" if p.get("restarts") else ""
             parts.append(f"trainer {i}: {p['trials']} trials in {p['groups']} groups, at most "
@@ -90,11 +91,6 @@ class TrainerPool:
                 except ValueError:  # gone
                     break
                 time.sleep(0.1)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
 class _OneLineTrainerLost(logging.Filter):
