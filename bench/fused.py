@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.common import add_data_arguments, synchronize
 from bench.throughput import batch_lengths, matmul_peak, useful_flops
 from mtbert.config import TrainConfig, parse_set_args
-from mtbert.data import load_data, real_rows
+from mtbert.data import SharedBuckets, load_data, real_rows
 
 
 #: ``--smart``: the SMART terms #47's SMART b16 workload trains with
@@ -170,7 +170,8 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     recorded, draw_s = [], 0.0
     for _ in range(steps):
         started = time.perf_counter()
-        batches = {t: t.next_update() for t in trainers}
+        shared = SharedBuckets()  # as FusedGroup draws: each task's rows from one bucket
+        batches = {t: t.next_update(shared) for t in trainers}
         draw_s += time.perf_counter() - started
         if None in batches.values():
             raise SystemExit(f"error: a trial trained to its end within the {steps} steps "

@@ -131,7 +131,8 @@ def padding(args) -> dict:
                 continue
             split = data.split(task, "train")
             lengths = split.lengths(encoding)
-            batches = TaskBatcher(split, args.batch_size, encoding, seed=0)._make_pass(0)
+            batcher = TaskBatcher(split, args.batch_size, encoding, seed=0)
+            batches = [batcher.next_batch() for _ in range(batcher.num_batches)]  # one pass
             real = float(lengths.sum())
             ratios = {}
             for name, ladder in LADDERS.items():

@@ -83,9 +83,12 @@ class TrainConfig:
         "max tokens per sequence", low=8, high=512,
         data_per_search="the driver (data is tokenised once per search)"))
     length_bucketing: bool = field(default=True, metadata=_meta(
-        "sort by length within shuffled buckets (less padding)", in_step_graphs=False))
-    bucket_batches: int = field(default=50, metadata=_meta(
-        "batches per length bucket when bucketing", low=1, in_step_graphs=False))
+        "draw each batch from one length bucket (less padding; fused trials share the bucket)",
+        in_step_graphs=False))
+    # 2: executed / real tokens 1.02-1.09 alone and 1.02-1.10 for 8 fused trials, 1,000 or
+    # all rows a task, batch 8-32; 4: up to 1.17 / 1.23 (docs/training.md, bench/padding.py)
+    bucket_batches: int = field(default=2, metadata=_meta(
+        "batches of rows per length bucket when bucketing", low=1, in_step_graphs=False))
 
     # --- model ----------------------------------------------------------
     model: str = field(default=EMBEDDED_MODEL, metadata=_meta(

@@ -60,7 +60,7 @@ import torch
 
 from mtbert import graph_reuse
 from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
-from mtbert.data import MultitaskData
+from mtbert.data import MultitaskData, SharedBuckets
 from mtbert.devices import to_device
 from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
 from mtbert.fused_gradients import FusedPCGrad
@@ -445,6 +445,7 @@ class FusedGroup:
         shared step is raised."""
         ended: dict[Hashable, TrialEnd] = {}
         batches: dict[Hashable, Batches] = {}
+        buckets = SharedBuckets()  # each task's rows from one length bucket (TaskBatcher)
         for trial_id in ids:
             trial = self.trials[trial_id]
             try:
@@ -452,7 +453,7 @@ class FusedGroup:
                     if trial_id not in self._started:
                         self._started.add(trial_id)
                         trial.start(f"fused ({len(self.trials)} trials)")
-                    update = trial.next_update()
+                    update = trial.next_update(buckets)
                     metrics = trial.finish() if update is None else None
                 if update is None:
                     ended[trial_id] = self._end(trial_id, TrialEnd("finished", metrics=metrics))

@@ -24,7 +24,7 @@ Learning rates: the encoder trains at ``lr``, everything outside it (task heads,
 shared pair layer, cosine maps) at ``lr · head_lr_multiplier``; loss-combiner
 parameters at ``lr``. Each is split into weight-decay / no-decay groups.
 
-Exact resume: the data order is a pure function of (seed, task, pass, epoch)
+Exact resume: the data order is a pure function of (seed, task, batches drawn, epoch)
 (see ``TaskBatcher`` and ``Schedule.plan``), so a checkpoint holds only counters and the
 running train-loss sums, plus model/optimizer/LR-scheduler/regulariser state and torch's
 RNG state (dropout).
@@ -52,7 +52,7 @@ from mtbert.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, T
                                restore_checkpoint)
 from mtbert.config import TrainConfig
 from mtbert.cosine_init import fit_qqp_cosine
-from mtbert.data import (MultitaskData, TaskBatcher, collate, encoding_for,
+from mtbert.data import (MultitaskData, SharedBuckets, TaskBatcher, collate, encoding_for,
                          eval_rows, eval_token_cap, real_rows)
 from mtbert.devices import check_compile_mode, compile_model, resolve_device, to_device
 from mtbert.dropout_rate import hold_dropout_in_tensor
@@ -230,9 +230,9 @@ class TrialRun:
         self._last_log = 0.0
         self._start = time.perf_counter()
         self._examples_at_start = 0
-        # the schedule step in progress: its optimizer steps not yet taken ({task: host
-        # batch} each), its real rows, when it began; the epoch plan it is from
-        self._queued: list[Batches] = []
+        # the schedule step in progress: its optimizer steps not yet taken (the tasks each
+        # trains; drawn when taken), its real rows so far, when it began; its epoch plan
+        self._queued: list[tuple[str, ...]] = []
         self._step_rows = 0
         self._step_started = 0.0
         self._plan: tuple[int, list[tuple[str, ...]]] | None = None
@@ -327,19 +327,22 @@ class TrialRun:
         if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
             self._evaluate_and_report()
 
-    def next_update(self) -> Batches | None:
+    def next_update(self, buckets: SharedBuckets | None = None) -> Batches | None:
         """The host batches ({task: batch}) of this run's next optimizer step, or None when
-        it has trained to its end (then :meth:`finish`).  The first update of a schedule step
-        draws that step's batches (the batchers advance)."""
+        it has trained to its end (then :meth:`finish`).  Each update draws its own batches
+        when it is taken (the batchers advance), each task's from the length bucket a fused
+        step shares (``buckets``; the trials trained together in the step), default its own
+        batcher's next."""
         if not self._queued:
             tasks = self._next_schedule_step()
             if tasks is None:
                 return None
             self._step_started = time.perf_counter()
-            batches = self.next_batches(tasks)
-            self._step_rows = sum(real_rows(b) for b in batches.values())
-            self._queued = self.update_steps(batches)
-        return self._queued.pop(0)
+            self._step_rows = 0
+            self._queued = self.update_tasks(tasks)
+        batches = self.next_batches(self._queued.pop(0), buckets)
+        self._step_rows += sum(real_rows(b) for b in batches.values())
+        return batches
 
     @property
     def mid_schedule_step(self) -> bool:
@@ -434,20 +437,31 @@ class TrialRun:
     def _budget_spent(self) -> bool:
         return bool(self.cfg.max_examples) and self.examples_seen >= self.cfg.max_examples
 
-    def next_batches(self, group: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-        """The next host batch of each task in ``group`` (advances the batchers); with static
+    def next_batches(self, group: tuple[str, ...], buckets: SharedBuckets | None = None
+                     ) -> dict[str, dict[str, torch.Tensor]]:
+        """The next host batch of each task in ``group`` (advances the batchers), from the
+        length bucket ``buckets`` shares (default: the batcher's own next); with static
         lengths also a fixed row count per task (filler rows of weight 0)."""
-        return {task: collate(self.train_splits[task], self.batchers[task].next_batch(),
+        def rows(task: str) -> np.ndarray:
+            batcher = self.batchers[task]
+            return batcher.next_batch(None if buckets is None else buckets.take(task, batcher))
+
+        return {task: collate(self.train_splits[task], rows(task),
                               self.encodings[task], self.data.pad_id, self.static_max_length,
                               rows=self.cfg.task_batch_size(task) if self.static_max_length
                               else 0)
                 for task in group}
 
+    def update_tasks(self, tasks: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """A schedule step's optimizer steps, as the tasks each trains: all of them at once
+        (``update=summed``, a super-batch) or each task alone."""
+        return [tasks] if self.cfg.update == "summed" else [(t,) for t in tasks]
+
     def update_steps(self, batches: dict[str, dict[str, torch.Tensor]]
                      ) -> list[dict[str, dict[str, torch.Tensor]]]:
-        """A schedule step's optimizer steps: the super-batch (``update=summed``) or each
-        task batch alone."""
-        return [batches] if self.cfg.update == "summed" else [{t: b} for t, b in batches.items()]
+        """A schedule step's optimizer steps on host ``batches``: the super-batch
+        (``update=summed``) or each task batch alone."""
+        return [{t: batches[t] for t in group} for group in self.update_tasks(tuple(batches))]
 
 
     def _note_losses(self, losses: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,8 @@ The names below are the package's interface; import them from ``mtbert.data``.
 """
 
 from mtbert.data.batching import (EVAL_ROWS_CPU, EVAL_ROWS_GPU, EVAL_TOKENS_CPU,
-                                  EVAL_TOKENS_GPU, ROW_WEIGHTS, STATIC_LENGTHS, TaskBatcher,
+                                  EVAL_TOKENS_GPU, ROW_WEIGHTS, STATIC_LENGTHS, SharedBuckets,
+                                  TaskBatcher,
                                   collate, encoding_for, eval_batches, eval_rows,
                                   eval_token_cap, pad_rows, real_rows, static_length)
 from mtbert.data.files import RawTable, read_task_file
@@ -21,7 +22,7 @@ from mtbert.data.splits import MultitaskData, Split, carve_validation, load_data
 from mtbert.data.tokens import CacheStats, Ragged, TokenTable, tokenize_cached
 
 __all__ = ["EVAL_ROWS_CPU", "EVAL_ROWS_GPU", "EVAL_TOKENS_CPU", "EVAL_TOKENS_GPU", "ROW_WEIGHTS",
-           "STATIC_LENGTHS", "CacheStats", "MultitaskData", "Ragged", "RawTable", "Split",
+           "STATIC_LENGTHS", "CacheStats", "MultitaskData", "Ragged", "RawTable", "SharedBuckets", "Split",
            "TaskBatcher", "TokenTable", "carve_validation", "collate", "encoding_for",
            "eval_batches", "eval_rows", "eval_token_cap", "load_data", "pad_rows",
            "read_task_file", "real_rows", "static_length", "tokenize_cached"]

@@ -1,4 +1,4 @@
-"""Batching: a task's rows in seeded, length-bucketed index batches (:class:`TaskBatcher`)
+"""Batching: a task's rows in length buckets and seeded index batches (:class:`TaskBatcher`)
 and padded tensors (:func:`collate`; static lengths and fixed row counts where shapes are
 costly), and the evaluation batches."""
 
@@ -15,61 +15,137 @@ def encoding_for(task: str, pair_encoding: str) -> str:
     return "single" if not TASKS[task].is_pair else pair_encoding
 
 
-class TaskBatcher:
-    """Index batches over one task's training split, epoch after epoch.
+#: the seed of the length buckets and of their order in each pass -- not a trial's seed:
+#: every trial of a task and batch size cuts the same buckets and visits them in the same
+#: order, so trials stepped together take each step's rows from one bucket
+BUCKET_SEQUENCE_SEED = 7_000_003
 
-    With bucketing, each pass shuffles the rows, cuts them into buckets of
-    ``bucket_batches`` batches, sorts each bucket by length, cuts batches and
-    shuffles the batch order. Pass ``k`` is a pure function of (seed, task, k), so
-    a checkpoint only needs (pass, position) to resume the exact same stream.
+
+def _task_key(task: str) -> int:
+    return sum(ord(c) * 31 ** i for i, c in enumerate(task))
+
+
+def length_buckets(lengths: np.ndarray, rows_per_bucket: int, task: str) -> list[np.ndarray]:
+    """The rows in length order (ties in an order seeded by the task alone), cut into
+    buckets of ``rows_per_bucket`` rows (the last one the remainder): every bucket but the
+    last holds whole batches, so a pass has as many batches as the split needs."""
+    tie_break = np.random.default_rng([BUCKET_SEQUENCE_SEED, _task_key(task)]).random(len(lengths))
+    order = np.lexsort((tie_break, lengths))
+    return [order[i:i + rows_per_bucket] for i in range(0, len(order), rows_per_bucket)]
+
+
+class TaskBatcher:
+    """Index batches over one task's training split, pass after pass.
+
+    The split is cut once into length buckets of ``bucket_batches`` batches each
+    (:func:`length_buckets`; without bucketing, one bucket of every row).  A pass visits
+    bucket ``b`` as many times as it has batches, in an order shuffled by the pass number
+    and the task -- the same for every trial (:meth:`bucket_at`); each visit takes the next
+    batch of the bucket's rows in an order shuffled by the trial's own seed, pass after pass
+    over the bucket.  So each pass trains every row once, and a batch's rows are of
+    similar lengths.
+
+    ``next_batch(bucket)`` takes the batch from another bucket than this batcher's own
+    sequence names: in a fused step every trial drawing a task takes the bucket of the
+    first one drawing it (:class:`SharedBuckets`), so their rows pad to one bucket's
+    longest.  Alone, the
+    stream is a pure function of (seed, task, batches drawn); the state is the number
+    drawn and each bucket's pass and position, so a checkpoint resumes the same stream.
     """
 
     def __init__(self, split: Split, batch_size: int, encoding: str, seed: int,
-                 bucketing: bool = True, bucket_batches: int = 50):
+                 bucketing: bool = True, bucket_batches: int = 2):
         self.split = split
         self.batch_size = batch_size
         self.lengths = split.lengths(encoding)
         self.seed = seed
-        self.bucketing = bucketing
-        self.bucket_batches = bucket_batches
-        self.pass_index = 0
-        self.position = 0
-        self._batches = self._make_pass(0)
+        self.task_key = _task_key(split.task)
+        rows = batch_size * bucket_batches if bucketing else max(len(split), 1)
+        self.buckets = length_buckets(self.lengths, rows, split.task)
+        self.bucket_sizes = np.array([-(-len(b) // batch_size) for b in self.buckets])
+        self.draws = 0
+        self.passes = np.zeros(len(self.buckets), dtype=np.int64)     # per bucket
+        self.positions = np.zeros(len(self.buckets), dtype=np.int64)  # batches into its pass
+        self._sequence: tuple[int, np.ndarray] | None = None
+        self._orders: dict[int, tuple[int, np.ndarray]] = {}
 
     @property
     def num_batches(self) -> int:
-        return -(-len(self.split) // self.batch_size)
+        """Batches in a pass over the split."""
+        return int(self.bucket_sizes.sum())
 
-    def _make_pass(self, k: int) -> list[np.ndarray]:
-        task_key = sum(ord(c) * 31 ** i for i, c in enumerate(self.split.task))
-        rng = np.random.default_rng([self.seed, task_key, k])
-        order = rng.permutation(len(self.split))
-        if not self.bucketing:
-            return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        bucket = self.batch_size * self.bucket_batches
-        batches = []
-        for start in range(0, len(order), bucket):
-            chunk = order[start:start + bucket]
-            chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
-            batches.extend(chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
-        return [batches[i] for i in rng.permutation(len(batches))]
+    def bucket_at(self, draw: int) -> int:
+        """The bucket the ``draw``-th batch of this task takes (every trial's alike)."""
+        k, j = divmod(draw, self.num_batches)
+        if self._sequence is None or self._sequence[0] != k:
+            rng = np.random.default_rng([BUCKET_SEQUENCE_SEED, self.task_key, k])
+            visits = np.repeat(np.arange(len(self.buckets)), self.bucket_sizes)
+            self._sequence = (k, rng.permutation(visits))
+        return int(self._sequence[1][j])
 
-    def next_batch(self) -> np.ndarray:
-        if self.position >= len(self._batches):
-            self.pass_index += 1
-            self.position = 0
-            self._batches = self._make_pass(self.pass_index)
-        batch = self._batches[self.position]
-        self.position += 1
+    def upcoming_bucket(self) -> int:
+        """The bucket of this batcher's next batch, by its own sequence."""
+        return self.bucket_at(self.draws)
+
+    def next_batch(self, bucket: int | None = None) -> np.ndarray:
+        """The next batch: from ``bucket``, default :meth:`upcoming_bucket`."""
+        b = self.upcoming_bucket() if bucket is None else bucket
+        if self.positions[b] >= self.bucket_sizes[b]:  # the bucket's pass is done
+            self.passes[b] += 1
+            self.positions[b] = 0
+        start = int(self.positions[b]) * self.batch_size
+        batch = self._bucket_order(b)[start:start + self.batch_size]
+        self.positions[b] += 1
+        self.draws += 1
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"pass_index": self.pass_index, "position": self.position}
+    def _bucket_order(self, b: int) -> np.ndarray:
+        k = int(self.passes[b])
+        cached = self._orders.get(b)
+        if cached is None or cached[0] != k:
+            rng = np.random.default_rng([self.seed, self.task_key, k, b])
+            cached = self._orders[b] = (k, self.buckets[b][rng.permutation(len(self.buckets[b]))])
+        return cached[1]
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pass_index = int(state["pass_index"])
-        self.position = int(state["position"])
-        self._batches = self._make_pass(self.pass_index)
+    def state_dict(self) -> dict[str, int | list[int]]:
+        return {"draws": self.draws, "bucket_passes": self.passes.tolist(),
+                "bucket_positions": self.positions.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "draws" not in state:  # a checkpoint from before length buckets: its pass and
+            # position, continued in this order as a batcher alone would be there
+            self._restore_alone(int(state["pass_index"]) * self.num_batches
+                                + int(state["position"]))
+            return
+        passes, positions = state["bucket_passes"], state["bucket_positions"]
+        if len(passes) != len(self.buckets) or len(positions) != len(self.buckets):
+            raise ValueError(f"the checkpoint's batcher state has {len(passes)} length "
+                             f"buckets for {self.split.task}, this data and batch size "
+                             f"cut {len(self.buckets)}")
+        self.draws = int(state["draws"])
+        self.passes = np.asarray(passes, dtype=np.int64)
+        self.positions = np.asarray(positions, dtype=np.int64)
+
+    def _restore_alone(self, draws: int) -> None:
+        """The state of a batcher that drew ``draws`` batches by its own sequence."""
+        k, j = divmod(draws, self.num_batches)
+        self.bucket_at(draws)
+        done = np.bincount(self._sequence[1][:j], minlength=len(self.buckets))
+        self.draws, self.passes, self.positions = draws, np.full(len(self.buckets), k), done
+
+
+class SharedBuckets:
+    """One fused step's length bucket of each task: the first trial to draw a task in the
+    step (the group asks them in join order) takes its own next bucket, and every later
+    one takes that bucket too, so the task's stacked rows pad to one bucket's longest."""
+
+    def __init__(self):
+        self.chosen: dict[str, int] = {}
+
+    def take(self, task: str, batcher: TaskBatcher) -> int:
+        if task not in self.chosen:
+            self.chosen[task] = batcher.upcoming_bucket()
+        return self.chosen[task]
 
 
 #: static padded lengths (``pad_lengths=buckets``): a batch is padded up to the first that
