@@ -22,19 +22,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 #: layers are named here; the search's are its packages, read from the tree
 #: (:func:`tune_layers`), so that the docs' table (checked against this) follows the tree.
 TRAINER_LAYERS = [
-    ("base", ["mtbert", "mtbert.errors", "mtbert.atomic", "mtbert.config", "mtbert.tasks"]),
-    ("parts", ["mtbert.pretrained", "mtbert.data.files", "mtbert.data.tokens",
-               "mtbert.data.splits", "mtbert.data.batching", "mtbert.data", "mtbert.model",
-               "mtbert.cosine_init",
-               "mtbert.losses", "mtbert.gradients", "mtbert.smart", "mtbert.task_schedules",
-               "mtbert.lr_schedules", "mtbert.metrics", "mtbert.predictions",
-               "mtbert.ensemble", "mtbert.dropout_rate", "mtbert.devices",
-               "mtbert.fused_attention", "mtbert.fused_model", "mtbert.fused_adamw", "mtbert.fused_smart",
-               "mtbert.fused_losses", "mtbert.fused_gradients"]),
-    ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
-              "mtbert.training_state", "mtbert.checkpoint",
-              "mtbert.model_files", "mtbert.inference", "mtbert.trial_run",
-              "mtbert.step_engine", "mtbert.trainer", "mtbert.fused_training"]),
+    ("base", ["mtbert", "mtbert.core.errors", "mtbert.core.atomic", "mtbert.core.config", "mtbert.core.tasks"]),
+    ("parts", ["mtbert.core.pretrained", "mtbert.data.files", "mtbert.data.tokens",
+               "mtbert.data.splits", "mtbert.data.batching", "mtbert.data", "mtbert.model.model",
+               "mtbert.model.cosine_init",
+               "mtbert.techniques.losses", "mtbert.techniques.gradients", "mtbert.techniques.smart", "mtbert.techniques.task_schedules",
+               "mtbert.techniques.lr_schedules", "mtbert.run.metrics", "mtbert.run.predictions",
+               "mtbert.run.ensemble", "mtbert.model.dropout_rate", "mtbert.core.devices",
+               "mtbert.model.fused_attention", "mtbert.step.fused_model", "mtbert.step.fused_adamw", "mtbert.step.fused_smart",
+               "mtbert.step.fused_losses", "mtbert.step.fused_gradients"]),
+    ("loop", ["mtbert.techniques.pretrain", "mtbert.step.step_graphs", "mtbert.run.graph_reuse",
+              "mtbert.run.training_state", "mtbert.run.checkpoint",
+              "mtbert.run.model_files", "mtbert.run.inference", "mtbert.run.trial_run",
+              "mtbert.step.step_engine", "mtbert.step.trainer", "mtbert.step.fused_training"]),
 ]
 #: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
 #: settings, the driver) are the commands layer with ``mtbert.train``

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from mtbert.atomic import atomic_write_text
-from mtbert.config import TrainConfig
+from mtbert.core.atomic import atomic_write_text
+from mtbert.core.config import TrainConfig
 from mtbert.data import load_data
 from mtbert.tune.results import finalists as fin
 from mtbert.tune.trial import work_folders

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.infra import location as loc
 from mtbert.tune.results.extension import TRIALS_FILE, parse_trials
 from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space

@@ -32,8 +32,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mtbert.config import TrainConfig, coerce_value
-from mtbert.errors import ConfigError
+from mtbert.core.config import TrainConfig, coerce_value
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search.choices import scheduler_choice, searcher_choice
 from mtbert.tune.trial.objective import OBJECTIVE, rung_metric_keys
 from mtbert.tune.results.records import TrialRecord, TrialStatus

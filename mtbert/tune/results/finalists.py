@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from mtbert.data import encoding_for, eval_token_cap
-from mtbert.ensemble import combine, greedy_task_selection, task_labels
-from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
-from mtbert.predictions import write_predictions
-from mtbert.tasks import TASK_NAMES
-from mtbert.inference import load_checkpoint_model, predict_split
+from mtbert.run.ensemble import combine, greedy_task_selection, task_labels
+from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
+from mtbert.run.predictions import write_predictions
+from mtbert.core.tasks import TASK_NAMES
+from mtbert.run.inference import load_checkpoint_model, predict_split
 from mtbert.tune.infra.location import weights_at_hand
 
 SPLITS = ("val", "dev", "test")

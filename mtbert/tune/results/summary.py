@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mtbert.metrics import scalar_metrics
+from mtbert.run.metrics import scalar_metrics
 from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_label
 from mtbert.tune.results.records import TrialRecord, TrialStatus
 from mtbert.tune.trial.trial_config import trial_config_values

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

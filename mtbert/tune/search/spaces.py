@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 
-from mtbert.config import (DATA_PER_SEARCH, RUN_PER_SEARCH, TrainConfig, check_value,
+from mtbert.core.config import (DATA_PER_SEARCH, RUN_PER_SEARCH, TrainConfig, check_value,
                            coerce_value, field_kind, field_range, read_yaml_file)
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 DISTRIBUTIONS = ("choice", "uniform", "quniform", "loguniform", "randint", "fixed")
 SPACE_KEYS = ("description", "params")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtbert.config import PERTURBED
-from mtbert.errors import ConfigError
+from mtbert.core.config import PERTURBED
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search.budgets import Budget
 from mtbert.tune.search.schedulers.base import SchedulerChoice
 
