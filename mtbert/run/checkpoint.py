@@ -33,6 +33,8 @@ from mtbert.run.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, H
                                    read_weights, state_mismatch, write_checkpoint_folder,
                                    write_weights)
 
+ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
+
 #: the trainer's counters a resume takes back (everything else it rebuilds from them)
 COUNTERS = ("epoch", "step_in_epoch", "examples_seen", "optimizer_steps", "next_eval",
             "evaluations")
@@ -120,6 +122,30 @@ class CheckpointFolder:
             self.stats["checkpoint_write_s"] += time.perf_counter() - started
             return final
         return write
+
+    def write_and_report(self, write: Callable[[], Path] | None, metrics: dict,
+                         report: ReportFn | None) -> None:
+        """A checkpoint job (on the writer thread): write the checkpoint (``write``, a
+        :meth:`snapshot`'s job; None: none), then report it with the figures so far
+        (bytes, seconds writing and reporting)."""
+        checkpoint_dir = write() if write is not None else None
+        if report is not None:
+            started = time.perf_counter()
+            report({**metrics, "checkpoints_written": self.stats["checkpoints_written"],
+                    "checkpoint_bytes": self.stats["checkpoint_bytes"],
+                    "time/checkpoint_write_s": self.stats["checkpoint_write_s"],
+                    "time/report_s": self.stats["report_s"]},
+                   None if checkpoint_dir is None else str(checkpoint_dir))
+            self.stats["report_s"] += time.perf_counter() - started
+
+
+def evaluation_writes_checkpoint(checkpoints: bool, reporting: bool, examples_seen: int) -> bool:
+    """Whether an evaluation writes a checkpoint: only where it is read -- by the report
+    callback (Ray persists it and resumes from it) or by a later resume of the run's folder
+    (``checkpoints``: ``--resume``).  Not the 0-example evaluation's for a report callback:
+    nothing resumes from or ranks an untrained model, and each checkpoint Ray keeps and
+    later deletes is one more that a search restored after a driver crash can find gone."""
+    return (checkpoints or reporting) and not (reporting and examples_seen == 0)
 
 
 def restore_checkpoint(checkpoint_dir: Path, parts: TrainingParts, cfg: TrainConfig,

@@ -2,10 +2,13 @@
 
 A :class:`TrialRun` holds everything of one trial but the step: its model (built from its
 seed) and its optimizer, LR schedule, loss weighting and regulariser (what a step engine
-updates), its data order (batchers) and task schedule, its counters, evaluations,
-checkpoints, reports and NaN check.  A step engine (:mod:`mtbert.step_engine`) trains its
-updates: the eager or graphed one of a :class:`~mtbert.trainer.Trainer`, or the fused one of
-a group (:mod:`mtbert.fused_training`).  The run is step-driven::
+updates), its data order (batchers) and task schedule, its counters, reports and NaN
+check, and when it evaluates and checkpoints.  Beside it, the scoring and the records of an
+evaluation (:mod:`mtbert.run.evaluation`) and what a checkpoint holds, its writing and
+reporting and its restore (:mod:`mtbert.run.checkpoint`).  A step engine
+(:mod:`mtbert.step.step_engine`) trains its updates: the eager or graphed one of a
+:class:`~mtbert.step.trainer.Trainer`, or the fused one of a group
+(:mod:`mtbert.step.fused_training`).  The run is step-driven::
 
     trial.start(step_name)                 # progress line; evaluation at 0 examples
     while (batches := trial.next_update()) is not None:
@@ -37,7 +40,6 @@ stops a diverged run there with the task, examples and lr of its first bad step.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -48,8 +50,8 @@ import torch
 
 from mtbert.run import graph_reuse
 from mtbert.core.atomic import atomic_write_json
-from mtbert.run.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, TrainingParts,
-                               restore_checkpoint)
+from mtbert.run.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, ReportFn,
+                               TrainingParts, evaluation_writes_checkpoint, restore_checkpoint)
 from mtbert.core.config import TrainConfig
 from mtbert.model.cosine_init import fit_qqp_cosine
 from mtbert.data import (MultitaskData, TaskBatcher, collate, encoding_for,
@@ -58,19 +60,17 @@ from mtbert.core.devices import check_compile_mode, compile_model, resolve_devic
 from mtbert.model.dropout_rate import hold_dropout_in_tensor
 from mtbert.core.errors import ConfigError
 from mtbert.techniques.gradients import build_gradient_combiner
-from mtbert.run.inference import as_label, predict_split
+from mtbert.run.evaluation import Scoring, append_history, progress_line, train_losses
 from mtbert.techniques.losses import build_loss_combiner
 from mtbert.techniques.lr_schedules import build_lr_scheduler
-from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
+from mtbert.run.metrics import scalar_metrics
 from mtbert.model.model import MultitaskModel
-from mtbert.run.predictions import write_predictions as write_prediction_files
 from mtbert.techniques.pretrain import run_pretraining
 from mtbert.techniques.task_schedules import build_schedule, super_batches
 from mtbert.techniques.smart import build_regulariser
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.run.training_state import CheckpointWriter
 
-ReportFn = Callable[[dict, str | None], None]  # metrics, checkpoint folder (None: none)
 Batches = dict[str, dict[str, torch.Tensor]]  # {task: batch}: one optimizer step's
 
 
@@ -169,7 +169,7 @@ class TrialRun:
                      graphs: bool) -> None:
         """The model on the device: ``fresh``, or the kept one with ``fresh``'s weights
         copied in (in place: the kept graphs read those tensors).  On CUDA and under
-        graphs the ``dropout`` rate is a device tensor (:mod:`mtbert.dropout_rate`)."""
+        graphs the ``dropout`` rate is a device tensor (:mod:`mtbert.model.dropout_rate`)."""
         self.dropout_rate = None
         if kept is not None:
             kept.model.load_state_dict(fresh.state_dict())
@@ -508,71 +508,46 @@ class TrialRun:
             "lr": self.lr_scheduler.get_last_lr()[0],
             "train_seconds": time.perf_counter() - self._start,
         })
-        for t in TASK_NAMES:
-            if self._loss_counts[t]:
-                metrics[f"train/loss_{t}"] = self._loss_sums[t] / self._loss_counts[t]
+        metrics.update(train_losses(self._loss_sums, self._loss_counts))
         self._loss_sums = {t: 0.0 for t in TASK_NAMES}
         self._loss_counts = {t: 0 for t in TASK_NAMES}
         self.evaluations += 1
         self.history.append(metrics)
-        # a checkpoint only where it is read: by the report callback (Ray persists it and
-        # resumes from it) or by a later resume of this out_dir (`--resume`).  Not the
-        # 0-example evaluation's for a report callback: nothing resumes from or ranks an
-        # untrained model, and each checkpoint Ray keeps and later deletes is one more
-        # that a search restored after a driver crash can find gone
-        reported_start = self.report is not None and self.examples_seen == 0
         write = (self._checkpoint_job(metrics)  # the snapshot: host copies, taken now
-                 if (self.checkpoints or self.report is not None) and not reported_start
+                 if evaluation_writes_checkpoint(self.checkpoints, self.report is not None,
+                                                 self.examples_seen)
                  else None)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "history.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(scalar_metrics(metrics)) + "\n")
-        self.log(f"[mtbert] eval @ {self.examples_seen} examples: val overall "
-                 f"{metrics['val/overall']:.4f} (sst {metrics['val/sst_acc']:.3f}, "
-                 f"qqp {metrics['val/qqp_acc']:.3f}, sts {metrics['val/sts_corr']:.3f})")
+        append_history(self.out_dir, metrics)
+        self.log(progress_line(self.examples_seen, metrics))
         if write is not None or self.report is not None:
             # written, then reported (Ray copies it to storage there), while training goes on
-            self.checkpoint_writer.submit(lambda: self._write_and_report(write, metrics))
+            self.checkpoint_writer.submit(
+                lambda: self.checkpoint_folder.write_and_report(write, metrics, self.report))
         # what checkpoints cost the training thread: the snapshot and any wait for the
         # previous one; the figure sent with this report covers the evaluations before it
         self.timings["checkpoint_s"] += time.perf_counter() - saving_started
 
+    def scoring(self) -> Scoring:
+        """How this run's model is scored, with the run's values as they are now."""
+        return Scoring(self.data, self.encodings, self.device, self.autocast,
+                       self.static_max_length, self.eval_rows, self.eval_max_tokens)
+
     def evaluate(self, split_name: str, write_predictions: bool = False) -> dict:
         """Score every task on ``split_name`` (val or dev); returns prefixed metrics."""
-        per_task, predictions = {}, {}
-        for task in TASK_NAMES:
-            split = self.data.split(task, split_name)
-            scores = predict_split(self.model, split, self.encodings[task], self.data.pad_id,
-                                   self.eval_rows, self.device, self.autocast,
-                                   self.static_max_length, sst_probabilities=True,
-                                   max_tokens=self.eval_max_tokens)
-            pred = scores.argmax(-1) if task == "sst" else scores
-            predictions[task] = pred
-            per_task[task] = task_metrics(task, as_label(task, pred), split.labels,
-                                          probabilities=None if task == "sts" else scores)
+        metrics, predictions = self.scoring().score(self.model, split_name)
         if split_name == "val":
             self._last_val_predictions = predictions
         if write_predictions:
             self.write_predictions(split_name, predictions)
-        return split_metrics(split_name, per_task)
+        return metrics
 
     def predict_test(self) -> None:
-        predictions = {}
-        for task in TASK_NAMES:
-            split = self.data.split(task, "test")
-            if split is not None:
-                predictions[task] = predict_split(self.model, split, self.encodings[task],
-                                                  self.data.pad_id, self.eval_rows,
-                                                  self.device, self.autocast,
-                                                  self.static_max_length,
-                                                  max_tokens=self.eval_max_tokens)
-        self.write_predictions("test", predictions)
+        self.write_predictions("test", self.scoring().predict_test(self.model))
 
     def write_predictions(self, split_name: str, predictions: dict[str, np.ndarray],
                           folder: Path | None = None) -> None:
-        write_prediction_files(folder or self.out_dir / "predictions", split_name,
-                               {t: self.data.split(t, split_name) for t in predictions},
-                               predictions)
+        self.scoring().write_predictions(folder or self.out_dir / "predictions", split_name,
+                                         predictions)
 
     # ------------------------------------------------------------------ checkpoints
     def _training_parts(self) -> TrainingParts:
@@ -591,7 +566,7 @@ class TrialRun:
         return self._checkpoint_job(None)()
 
     def _checkpoint_job(self, metrics: dict | None) -> Callable[[], Path]:
-        """Snapshot the run now; the returned function writes it (:mod:`mtbert.checkpoint`)
+        """Snapshot the run now; the returned function writes it (:mod:`mtbert.run.checkpoint`)
         and may run on another thread while training goes on."""
         predictions = self._last_val_predictions  # the evaluation this checkpoint belongs to
         contents = CheckpointContents(
@@ -602,20 +577,6 @@ class TrialRun:
                 (lambda folder: self.write_predictions("val", predictions, folder))
                 if predictions else None))
         return self.checkpoint_folder.snapshot(self._training_parts(), contents, metrics)
-
-    def _write_and_report(self, write: Callable[[], Path] | None, metrics: dict) -> None:
-        """A checkpoint job (on the writer thread): write the checkpoint, then report it
-        with the writer's figures so far (bytes, seconds writing and reporting)."""
-        checkpoint_dir = write() if write is not None else None
-        if self.report is not None:
-            stats = self.checkpoint_folder.stats
-            started = time.perf_counter()
-            self.report({**metrics, "checkpoints_written": stats["checkpoints_written"],
-                         "checkpoint_bytes": stats["checkpoint_bytes"],
-                         "time/checkpoint_write_s": stats["checkpoint_write_s"],
-                         "time/report_s": stats["report_s"]},
-                        None if checkpoint_dir is None else str(checkpoint_dir))
-            stats["report_s"] += time.perf_counter() - started
 
     def load_checkpoint(self, checkpoint_dir: str | Path) -> None:
         """Restore a checkpoint this trainer writes at an evaluation. A damaged file is a
