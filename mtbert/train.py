@@ -5,7 +5,7 @@ Trains one run and writes ``OUT/metrics.json``, ``OUT/config.yaml``,
 (one message on stderr naming the file or field); on bad input nothing is written.
 
 ``--fuse-seeds 0,1,2`` trains the configuration once per seed, the runs fused into one
-model (:mod:`mtbert.fused_training`), each into ``OUT/seed-<seed>/`` with a solo run's files.
+model (:mod:`mtbert.step.fused_training`), each into ``OUT/seed-<seed>/`` with a solo run's files.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
     [u, v, |u - v|, u * v, cos(u, v)] (report 002; Reimers & Gurevych 2019).
     With ``pair_head_init=cosine`` the QQP logit is a·cos(u, v) + b + W·features with
     W zero-initialised and (a, b) a logistic fit on training rows (the trainer calls
-    :func:`mtbert.cosine_init.fit_qqp_cosine`), so QQP starts at the cosine-threshold
+    :func:`mtbert.model.cosine_init.fit_qqp_cosine`), so QQP starts at the cosine-threshold
     classifier of the pre-trained encoder instead of a random one.
 * ``shared_pair_layer``: QQP and STS share one hidden layer (linear + GELU) before
   their own output layers (report 002).
@@ -33,7 +33,7 @@ from mtbert.data import encoding_for
 from mtbert.core.pretrained import load_encoder
 from mtbert.core.tasks import TASKS
 
-#: the name :mod:`mtbert.fused_attention` registers the fused encoder's CPU attention under
+#: the name :mod:`mtbert.model.fused_attention` registers the fused encoder's CPU attention under
 BATCHED_ATTENTION = "mtbert_batched_math"
 #: attention implementations handed the 4-D boolean mask as it is (the fused encoder's
 #: on the CPU takes SDPA's)

@@ -1,17 +1,17 @@
 """What a training checkpoint holds: taken from a run's stateful parts while training goes
 on, and put back into them on resume.
 
-The folder, its files and their errors are :mod:`mtbert.training_state`'s; this module
+The folder, its files and their errors are :mod:`mtbert.run.training_state`'s; this module
 decides what goes in and the order of a resume: the model's weights, then the optimizer,
 the LR schedule (with this run's configured rates, so that a resume may change ``lr``),
 the loss weighting and the SMART regulariser -- a mismatch there is the config's fault
-(:func:`~mtbert.training_state.state_mismatch` names the settings that differ) -- then
+(:func:`~mtbert.run.training_state.state_mismatch` names the settings that differ) -- then
 the batchers, counters and RNG states, whose failure means a damaged file, then the
 history of evaluations.
 
 A checkpoint is taken in two halves (:meth:`CheckpointFolder.snapshot`): the state is
 copied to host buffers at once, on the training thread, and the job returned writes the
-folder later, on the checkpoint thread (:class:`~mtbert.training_state.CheckpointWriter`).
+folder later, on the checkpoint thread (:class:`~mtbert.run.training_state.CheckpointWriter`).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Ray reuses a worker process for the next trial (``reuse_actors``); with
 ``step_mode=graphs`` its trainer has captured a CUDA graph per (task, batch shape) that
 reads the model's parameters, the static gradient buffers, the loss weighting's and the
 SMART teacher's tensors, and -- as 0-d device tensors -- the dropout rate and SMART's λ_t,
-ε and μ (:mod:`mtbert.dropout_rate`, :meth:`mtbert.smart.SmartRegulariser.hold_in_tensors`).
+ε and μ (:mod:`mtbert.model.dropout_rate`, :meth:`mtbert.techniques.smart.SmartRegulariser.hold_in_tensors`).
 When a trainer ends (its budget spent, stopped by the scheduler, or diverged) it leaves
 those here (:func:`keep`); the next trainer in the process whose settings differ only in
-what the graphs do not hold (:data:`mtbert.config.NOT_IN_STEP_GRAPHS`, the tensor values,
+what the graphs do not hold (:data:`mtbert.core.config.NOT_IN_STEP_GRAPHS`, the tensor values,
 the SMART terms' values but not which are on) takes them (:func:`take`): it copies its own initial weights
 into the kept model and its rates into the tensors, in place, builds its own optimizer,
 LR schedule and data order, and replays the kept task graphs from its first step
@@ -30,7 +30,7 @@ from mtbert.core.tasks import TASK_NAMES
 
 def structure(cfg) -> tuple:
     """What a run's captured task graphs are built from: every setting outside
-    :data:`~mtbert.config.NOT_IN_STEP_GRAPHS`, and which SMART terms are on."""
+    :data:`~mtbert.core.config.NOT_IN_STEP_GRAPHS`, and which SMART terms are on."""
     fixed = tuple(sorted((k, v) for k, v in cfg.to_dict().items()
                          if k not in NOT_IN_STEP_GRAPHS))
     terms = tuple((t, cfg.smart_lambda(t) > 0) for t in TASK_NAMES)

@@ -6,8 +6,8 @@ beside it, the config that built them.
     FOLDER/config.yaml       the TrainConfig it was trained with
 
 :func:`export_model` writes it from a model in memory, :func:`export_checkpoint` from a
-training checkpoint, whose weight files have this layout (:mod:`mtbert.training_state`):
-a file copy; :func:`load_model` builds the trainer's :class:`~mtbert.model.MultitaskModel`
+training checkpoint, whose weight files have this layout (:mod:`mtbert.run.training_state`):
+a file copy; :func:`load_model` builds the trainer's :class:`~mtbert.model.model.MultitaskModel`
 from it (what ``predict_split`` takes).
 """
 

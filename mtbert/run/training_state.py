@@ -9,12 +9,12 @@
                                           RNG states (``torch.load(weights_only=True)``)
     CHECKPOINT/config.yaml, metrics.json, history.json, predictions/   (small)
 
-The weights are the layout of an exported model (:mod:`mtbert.model_files`) without the
+The weights are the layout of an exported model (:mod:`mtbert.run.model_files`) without the
 tokenizer, so keeping a checkpoint's weights is a file copy.  Each tensor is stored once:
 state-dict entries that are the same tensor (tied weights) are written once and named
 in the file's metadata (``mtbert_aliases``).  Nothing the trainer rebuilds is stored (data
 order, schedule plan: pure functions of the seed and the counters); the SMART teacher
-is an EMA of the weights (θ̃ ← β θ̃ + (1 − β) θ, :mod:`mtbert.smart`), a function of the
+is an EMA of the weights (θ̃ ← β θ̃ + (1 − β) θ, :mod:`mtbert.techniques.smart`), a function of the
 whole trajectory, so it is kept.
 
 :class:`HostCopy` snapshots the tensors into host buffers reused from one checkpoint to
@@ -49,7 +49,7 @@ ENCODER_CONFIG = f"{ENCODER_DIR}/config.json"
 WEIGHT_FILES = (ENCODER_CONFIG, ENCODER_WEIGHTS, HEADS_FILE)
 #: the large files of a checkpoint (what ``--keep-checkpoints best|none`` removes)
 TRAINING_STATE_FILES = (STATE_FILE, *WEIGHT_FILES)
-#: what every state.pt holds (what goes in: mtbert.checkpoint)
+#: what every state.pt holds (what goes in: mtbert.run.checkpoint)
 STATE_KEYS = ("optimizer", "lr_scheduler", "loss_combiner", "regulariser", "batchers",
               "counters", "torch_rng", "cuda_rng")
 STATE_EXPECTED = "expected a training state written by python -m mtbert.train"

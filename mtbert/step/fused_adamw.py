@@ -1,4 +1,4 @@
-"""The update of N stacked trials (:mod:`mtbert.fused_model`): gradient clipping and AdamW
+"""The update of N stacked trials (:mod:`mtbert.step.fused_model`): gradient clipping and AdamW
 over the trial axis, each trial with its own values, in ops whose number does not grow
 with N.
 

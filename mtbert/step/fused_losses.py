@@ -64,4 +64,4 @@ def _fixed_weight(combiner: nn.Module, task: str) -> float:
     if isinstance(combiner, (SumCombiner, UncertaintyCombiner)):
         return 1.0
     raise ValueError(f"cannot train fused: loss combiner {type(combiner).__name__} has no "
-                     "fused form (mtbert/fused_losses.py)")
+                     "fused form (mtbert/step/fused_losses.py)")

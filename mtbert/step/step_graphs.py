@@ -71,7 +71,7 @@ def reached_parameters(loss: torch.Tensor) -> set[int]:
 
 
 class GraphRngReplay:
-    """The capturable twin of :class:`mtbert.smart.EagerRngReplay`: each replaying forward
+    """The capturable twin of :class:`mtbert.techniques.smart.EagerRngReplay`: each replaying forward
     of a captured step runs under its own generator state, registered with the graph and
     set to the default generator's seed and offset before each replay (``sync``)."""
 
@@ -149,7 +149,7 @@ class StepGraphs:
         tensor learning rates -- is tested where CI runs).  ``kept``: the step graphs of this
         worker's previous trainer of the same structure, whose task graphs (and the
         trainer's model, loss weighting and regulariser they read) this one replays
-        (:mod:`mtbert.graph_reuse`); its optimizer graphs are captured anew."""
+        (:mod:`mtbert.run.graph_reuse`); its optimizer graphs are captured anew."""
         self.t = trainer
         self.device = trainer.device
         self.cuda = self.device.type == "cuda"
@@ -207,7 +207,7 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ a step
     def step(self, batches: dict) -> dict:
-        """The engine's step (:mod:`mtbert.step_engine`): ``{trial: host batches}`` of its
+        """The engine's step (:mod:`mtbert.step.step_engine`): ``{trial: host batches}`` of its
         one trial -> ``{trial: {task: loss}}``."""
         (trial, host), = batches.items()
         return {trial: self.train(host)}

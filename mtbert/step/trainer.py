@@ -1,13 +1,13 @@
-"""One trial trained to its end: a :class:`~mtbert.trial_run.TrialRun` and its own step
-engine (:mod:`mtbert.step_engine`). No Ray here.
+"""One trial trained to its end: a :class:`~mtbert.run.trial_run.TrialRun` and its own step
+engine (:mod:`mtbert.step.step_engine`). No Ray here.
 
 The :class:`Trainer` is the one-trial run the command line (``python -m mtbert.train``)
 and the search's trainable build: the trial's state and bookkeeping are the
-:class:`~mtbert.trial_run.TrialRun`'s (data order, schedule, counters, evaluations,
-checkpoints, reports, NaN check); the step is eager (:class:`~mtbert.step_engine.EagerStep`)
-or from captured CUDA graphs (``step_mode``, :class:`~mtbert.step_graphs.StepGraphs`),
-which a worker keeps for its next trial of the same structure (:mod:`mtbert.graph_reuse`).
-Several trials trained at once are :mod:`mtbert.fused_training`'s.
+:class:`~mtbert.run.trial_run.TrialRun`'s (data order, schedule, counters, evaluations,
+checkpoints, reports, NaN check); the step is eager (:class:`~mtbert.step.step_engine.EagerStep`)
+or from captured CUDA graphs (``step_mode``, :class:`~mtbert.step.step_graphs.StepGraphs`),
+which a worker keeps for its next trial of the same structure (:mod:`mtbert.run.graph_reuse`).
+Several trials trained at once are :mod:`mtbert.step.fused_training`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Trainer(TrialRun):
                  model: MultitaskModel | None = None, checkpoints: bool = True,
                  stop_requested: Callable[[], bool] | None = None,
                  threads_wanted: Callable[[], int] | None = None):
-        """See :class:`~mtbert.trial_run.TrialRun` for the arguments."""
+        """See :class:`~mtbert.run.trial_run.TrialRun` for the arguments."""
         setup_started = time.perf_counter()
         graphs = graphs_wanted(cfg, resolve_device(cfg.device))
         # graphs: what this worker's previous trainer of the same structure captured
@@ -69,7 +69,7 @@ class Trainer(TrialRun):
 
     def leave_for_reuse(self) -> None:
         """A graphed trainer that ended (budget spent, stopped, diverged) leaves its model
-        and graphs to this process's next trainer (:mod:`mtbert.graph_reuse`); it takes no
+        and graphs to this process's next trainer (:mod:`mtbert.run.graph_reuse`); it takes no
         step after this (its step graphs let go of it, so it can be freed)."""
         if self.step_graphs is not None and self.dropout_rate is not None and self._reusable:
             self.step_graphs.release()  # this trainer steps no more

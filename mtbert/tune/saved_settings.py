@@ -3,7 +3,7 @@ settings of a search (``mtbert_search.json``, written when it starts) and, for
 ``--extend``, the finished search's trials (``trials.json``).  On ``--resume`` the saved
 settings win over the command line, so the data, space and budget cannot drift; on
 ``--extend`` the values of :data:`EXTEND_INHERITS` not given are inherited.  Each problem
-is a :class:`~mtbert.errors.ConfigError` naming the flag and the file."""
+is a :class:`~mtbert.core.errors.ConfigError` naming the flag and the file."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 :func:`resolve_settings` turns the parsed arguments into one :class:`SearchSettings`
 (the space file loaded and validated, the budget, the experiment's location, the MLflow
-store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
+store, the base trial config) or raises one :class:`~mtbert.core.errors.ConfigError` naming
 the flag; it writes nothing.  What ``--resume`` and ``--extend`` take from an earlier run
 of the driver is read by :mod:`mtbert.tune.saved_settings`.  (The merge of the base config and a trial's sampled values is
 :func:`mtbert.tune.trial.trial_config.trial_config`.)

@@ -4,7 +4,7 @@ Every finished search writes ``trials.json`` beside its summary: each trial it k
 its own and those it inherited -- with its sampled config, its evaluations, how it
 ended, its MLflow run, the search it trained in (``origin``), what its scores were
 measured on (``measured_on``: budget, model, data, validation split) and where its
-weights are (``weights``: a folder :func:`mtbert.inference.load_checkpoint_model` reads,
+weights are (``weights``: a folder :func:`mtbert.run.inference.load_checkpoint_model` reads,
 or null where ``--keep-checkpoints`` removed them).
 
 A search started with ``--extend EXPERIMENT`` reads that file and classifies each trial:

@@ -3,8 +3,8 @@
 Selection uses only the validation split carved from train; dev metrics are computed
 for the finalists (the ensemble's candidates, which include the best trial) and
 reported, never used to select.  Each finalist's *best* checkpoint (by validation
-overall) is loaded with :func:`~mtbert.inference.load_checkpoint_model` and predicts the
-val, dev and test splits of the data the driver already loaded; :mod:`mtbert.ensemble`
+overall) is loaded with :func:`~mtbert.run.inference.load_checkpoint_model` and predicts the
+val, dev and test splits of the data the driver already loaded; :mod:`mtbert.run.ensemble`
 combines them (``vote``: SST/QQP by mode with ties to the best member, STS by median;
 ``greedy``: Caruana forward selection with replacement on val, per task).
 """

@@ -10,7 +10,7 @@ states) and its ensemble and predictions are written:
 
 * ``best`` (default): the weights of the best trial and of each ensemble member, from
   their best checkpoints, go to ``<experiment>/models/<trial id>/``
-  (:mod:`mtbert.model_files`: ``encoder/`` for ``AutoModel.from_pretrained``,
+  (:mod:`mtbert.run.model_files`: ``encoder/`` for ``AutoModel.from_pretrained``,
   ``heads.safetensors``, ``config.yaml``; the checkpoint's weight files copied as they
   are), and every training state (``state.pt``: AdamW moments, SMART teacher, RNG; and
   the weight files ``encoder/`` and ``heads.safetensors``) is removed; checkpoint folders

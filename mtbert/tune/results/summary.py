@@ -393,7 +393,7 @@ def _markdown(s: SearchSummary) -> str:
             lines += [f"- {k}: {v:.3f}" for k, v in values.items()]
     if s.models:
         lines += ["", f"Weights kept (`--keep-checkpoints {s.keep_checkpoints}`; load with "
-                  "`mtbert.model_files.load_model(FOLDER)`): "
+                  "`mtbert.run.model_files.load_model(FOLDER)`): "
                   + ", ".join(f"{tid} in `{path}`" for tid, path in s.models.items()) + "."]
     elif s.keep_checkpoints == "none":
         lines += ["", "No weights kept (`--keep-checkpoints none`)."]

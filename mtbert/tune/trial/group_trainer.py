@@ -1,6 +1,6 @@
 """The fused path's trainer (``--fuse on``): one long-lived Ray actor per GPU (one on a
 CPU-only cluster) that trains the trials Tune hands it as fused groups
-(:class:`~mtbert.fused_training.FusedGroup`, one per :func:`~mtbert.fused_training.fuse_key`).
+(:class:`~mtbert.step.fused_training.FusedGroup`, one per :func:`~mtbert.step.fused_training.fuse_key`).
 
 It gets the tokenised data once, when it starts.  A thin Tune trial
 (:mod:`.fused_trainable`) joins with its config (and the checkpoint Tune restores it from),
@@ -15,7 +15,7 @@ trial (the trial's next evaluation writes a new one) and deleted once forwarded.
 One loop thread does all torch work: it builds the joining trials, steps each group's
 trials that are not held, and ends the trials whose thin trial left or stopped polling for
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
-fuse (:func:`~mtbert.fused_training.unfusable`: a compiled or graphed step, an encoder
+fuse (:func:`~mtbert.step.fused_training.unfusable`: a compiled or graphed step, an encoder
 other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
 
 Should the trainer's process die (a crash, ``kill -9``, its GPU lost), Ray restarts the
@@ -341,7 +341,7 @@ class GroupTrainer:
 
 class AloneGroup:
     """A trial that cannot fuse, stepped by its own engine (a
-    :class:`~mtbert.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
+    :class:`~mtbert.step.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
 
     def __init__(self):
         self.trials: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""The Ray Tune function trainable: one trial = one :class:`~mtbert.trainer.Trainer` run.
+"""The Ray Tune function trainable: one trial = one :class:`~mtbert.step.trainer.Trainer` run.
 
 ``tune.with_parameters(train_trial, data=..., base=...)`` puts the tokenised
 :class:`~mtbert.data.MultitaskData` into Ray's object store once; every trial gets it
