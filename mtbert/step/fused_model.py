@@ -2,23 +2,23 @@
 
 HFTA's idea (Wang et al., MLSys 2021): trials that share an architecture train as one
 model whose layers hold a trial dimension, so each kernel serves all N trials.  Here the
-fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.model.MultitaskModel` s, each
+fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.MultitaskModel` s, each
 built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tensor per
-parameter and buffer, and one trial's forward and loss (:func:`mtbert.techniques.losses.batch_loss`,
+parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.batch_loss`,
 the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
 the batch.  What the batching rules make of it: a linear layer is one batched matmul
 for all N, embeddings gather from the stacked tables and LayerNorm scales by each
 trial's own gains, and attention folds the trial axis into its batch: on CUDA SDPA's
 kernels have batching rules that do so; on the CPU, whose SDPA kernel has none in torch
-2.13, the skeleton's attention is :mod:`mtbert.model.fused_attention`'s (the same arithmetic in
+2.13, the skeleton's attention is :mod:`mtbert.fused_attention`'s (the same arithmetic in
 ops that batch).  One
 ``backward`` of the sum of the trials' losses gives each trial its own gradient in its
 slice (the trials share no weight, so no gradient crosses between slices).
 
 Per-trial values read as tensors with the trial axis: the dropout rate
 (:class:`TrialDropout`, a buffer of each ``dropout``-governed dropout) here; the learning
-rates, weight decay, clipping and loss weights in :mod:`mtbert.step.fused_training` and
-:mod:`mtbert.step.fused_adamw`, SMART's in :mod:`mtbert.step.fused_smart` (which runs its forwards
+rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
+:mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
 through :meth:`FusedModel.map`).
 
 Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
@@ -88,7 +88,7 @@ class _EmbedInputs(nn.Module):
 
 class _Bound:
     """The skeleton called with one trial's weights (inside ``vmap``): ``model(task, batch)``
-    as :func:`mtbert.techniques.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
+    as :func:`mtbert.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
 
     def __init__(self, skeleton: nn.Module, tensors: dict[str, torch.Tensor]):
         self.skeleton, self.tensors = skeleton, tensors
@@ -136,7 +136,7 @@ class FusedModel:
         self.buffers.update({name: rates for name in rate_names})
         skeleton_params = dict(self.skeleton.named_parameters())
         penalised = {id(p) for p in penalised_parameters(self.skeleton)}
-        #: the names :func:`mtbert.techniques.losses.penalised_parameters` picks (the L1/L2 penalty's)
+        #: the names :func:`mtbert.losses.penalised_parameters` picks (the L1/L2 penalty's)
         self.penalised = [k for k, p in skeleton_params.items() if id(p) in penalised]
 
     def bind(self, models: list[nn.Module]) -> None:
@@ -164,7 +164,7 @@ class FusedModel:
 
     def penalty(self, l1: float, l2: float) -> torch.Tensor | None:
         """The L1/L2 weight penalty of each trial (``[N]``), as
-        :meth:`mtbert.techniques.losses.LossCombiner.penalty` gives one model's; None when both are 0."""
+        :meth:`mtbert.losses.LossCombiner.penalty` gives one model's; None when both are 0."""
         if not (l1 or l2) or not self.penalised:
             return None
         total = 0.0
