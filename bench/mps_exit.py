@@ -14,7 +14,7 @@ lasts, while ``--leavers`` processes, one after another, capture the same step, 
 * ``clean``   -- synchronise, then exit with the graph and its memory still held by a
   module-level reference, so that they go in the interpreter's and the CUDA context's
   teardown (what a trial's worker does since the worker-exit fix: its kept step,
-  ``mtbert.graph_reuse``, and the parked thread's trainer are never freed before);
+  ``mtbert.run.graph_reuse``, and the parked thread's trainer are never freed before);
 * ``release`` -- synchronise, reset the graph, free the cached memory, then exit;
 * ``kill``    -- SIGKILL while replaying (the fault known from 2026-11-27: the control).
 

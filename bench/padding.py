@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import REPO, add_data_arguments
-from mtbert.config import TrainConfig
+from mtbert.core.config import TrainConfig
 from mtbert.data import SharedBuckets, TaskBatcher, encoding_for, load_data
-from mtbert.tasks import TASK_NAMES
+from mtbert.core.tasks import TASK_NAMES
 
 
 def side_lengths(split, encoding: str) -> list[np.ndarray]:

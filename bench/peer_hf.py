@@ -44,10 +44,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from bench.peer_problem import OBJECTIVE, Problem, canonical_space, rows_digest, score
 from mtbert.data import collate, encoding_for, real_rows
-from mtbert.losses import batch_loss, build_loss_combiner
-from mtbert.model import MultitaskModel
-from mtbert.smart import build_regulariser
-from mtbert.tasks import TASK_NAMES
+from mtbert.techniques.losses import batch_loss, build_loss_combiner
+from mtbert.model.model import MultitaskModel
+from mtbert.techniques.smart import build_regulariser
+from mtbert.core.tasks import TASK_NAMES
 
 #: the space's keys that are TrainingArguments fields, under the names HF gives them
 HF_NAMES = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size"}

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mtbert.tasks import TASK_NAMES
+from mtbert.core.tasks import TASK_NAMES
 
 #: what every method selects on (and maximises)
 OBJECTIVE = "val/overall"
@@ -89,7 +89,7 @@ class Problem:
     def eval_points(self) -> list[int]:
         """The examples at which a trial is scored on val: the trainer's points
         (``eval_every · eval_growth^k``) below the budget, then the budget's end."""
-        from mtbert.trainer import next_eval_point  # deferred: torch
+        from mtbert.step.trainer import next_eval_point  # deferred: torch
         b, points = self.budget, []
         point = next_eval_point(0, b.eval_every, b.eval_growth)
         while point < b.max_examples:
@@ -191,9 +191,9 @@ def score(model, cfg, data, split_name: str) -> dict[str, float]:
     """``model``'s metrics on ``split_name`` (val or dev) as the trainer scores val:
     ``{split/overall, split/overall_se, split/sst_acc, ...}``."""
     from mtbert.data import encoding_for, eval_rows, eval_token_cap  # deferred: torch
-    from mtbert.devices import resolve_device
-    from mtbert.inference import as_label, predict_split
-    from mtbert.metrics import scalar_metrics, split_metrics, task_metrics
+    from mtbert.core.devices import resolve_device
+    from mtbert.run.inference import as_label, predict_split
+    from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
 
     device = resolve_device(cfg.device)
     model = model.to(device)

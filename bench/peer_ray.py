@@ -1,7 +1,7 @@
 """The plain Ray Tune peer of ``bench/peers.py``: what the Ray Tune docs teach, around the
 project's Trainer.
 
-A function trainable builds the trial's TrainConfig, trains ``mtbert.trainer.Trainer``
+A function trainable builds the trial's TrainConfig, trains ``mtbert.step.trainer.Trainer``
 with a report callback that calls ``tune.report`` (metrics and the checkpoint folder the
 trainer wrote), one trial per worker (no actor reuse), 1 CPU (``--cpus-per-trial``) each;
 ``ASHAScheduler`` on ``val/overall`` at the budget's rungs (examples seen, the budget's
@@ -30,8 +30,8 @@ def train_fn(config: dict[str, Any], data=None, base: dict[str, Any] | None = No
     """The function trainable: one Trainer run, each evaluation reported to Tune."""
     from ray import tune
 
-    from mtbert.metrics import scalar_metrics
-    from mtbert.trainer import Trainer
+    from mtbert.run.metrics import scalar_metrics
+    from mtbert.step.trainer import Trainer
     from mtbert.tune.trial.trial_config import trial_config
 
     trial_dir = Path(tune.get_context().get_trial_dir())

@@ -11,7 +11,7 @@ Tune script, the same search problem for each, over seeds.
 Methods (bench/peer_ray.py and bench/peer_hf.py say how each peer is written):
 
 * ``project``   -- ``tune_driver.py`` with its defaults and ``--space --budget --seed``;
-* ``plain_ray`` -- a function trainable around ``mtbert.trainer.Trainer`` reporting with
+* ``plain_ray`` -- a function trainable around ``mtbert.step.trainer.Trainer`` reporting with
   ``tune.report``, ``ASHAScheduler`` and ``OptunaSearch``, one trial per worker;
 * ``hf_ray``    -- ``Trainer.hyperparameter_search(backend="ray")`` with ``ASHAScheduler``
   and ``OptunaSearch``;
@@ -58,7 +58,7 @@ from typing import Any
 from bench.common import DATA_DIR, REPO, RESULTS
 from bench.peer_problem import (OBJECTIVE, TreeCPU, config_key, driver_argv, load_problem,
                                 same_draws, score)
-from mtbert.config import EMBEDDED_MODEL
+from mtbert.core.config import EMBEDDED_MODEL
 
 METHODS = {
     "project": "tune_driver.py, its defaults",
@@ -191,7 +191,7 @@ def run_method(method: str, argv: list[str], out: Path, cpus_per_trial: float = 
 def _run_project(argv: list[str]) -> dict[str, Any]:
     """``tune_driver.py argv`` (its command-line entry, in this process) and what its
     summary.json records."""
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune.cli import main
     from bench.peer_problem import canonical_space, rows_digest
@@ -226,9 +226,9 @@ def _selected_model(problem, selected: dict):
         from bench.peer_hf import load_hf_checkpoint
         return load_hf_checkpoint(problem, selected["config"], selected["checkpoint"])
     if selected["loader"] == "exported":
-        from mtbert.model_files import load_model
+        from mtbert.run.model_files import load_model
         return load_model(selected["checkpoint"])
-    from mtbert.inference import load_checkpoint_model
+    from mtbert.run.inference import load_checkpoint_model
     return load_checkpoint_model(selected["checkpoint"])
 
 
@@ -431,7 +431,7 @@ def _check_problem(args, p, out: Path) -> None:
     import contextlib
     import io
 
-    from mtbert.errors import MtbertError
+    from mtbert.core.errors import MtbertError
     from mtbert.tune.cli import build_parser as driver_parser
     from mtbert.tune.settings import resolve_settings
 

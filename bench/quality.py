@@ -45,7 +45,7 @@ def _scores(metrics: dict, split: str) -> dict[str, float]:
 
 def load_full_data(base: dict, data_dir: str):
     """The search's data settings (model, max length, split seed) with every eval row."""
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     keep = {k: base[k] for k in ("model", "max_length", "val_fraction", "split_seed",
                                  "bad_row_tolerance") if k in base}
@@ -86,8 +86,8 @@ def best_threshold(scores: np.ndarray, gold: np.ndarray) -> float:
 
 
 def zero_shot(data) -> dict[str, dict[str, float]]:
-    from mtbert.metrics import accuracy, overall_score, pearson
-    from mtbert.pretrained import load_encoder
+    from mtbert.run.metrics import accuracy, overall_score, pearson
+    from mtbert.core.pretrained import load_encoder
     encoder = load_encoder(data.model).eval()
     train_sst = data.split("sst", "train").labels.astype(np.int64)
     majority = int(np.bincount(train_sst, minlength=5).argmax())
@@ -111,8 +111,8 @@ def zero_shot(data) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------------- the search
 def rescore_search(exp_dir: Path, data) -> dict:
     """Best trial and ensemble of the search in ``exp_dir`` on every val/dev row."""
-    from mtbert.metrics import scalar_metrics
-    from mtbert.model_files import HEADS_FILE
+    from mtbert.run.metrics import scalar_metrics
+    from mtbert.run.model_files import HEADS_FILE
     from mtbert.tune.results import finalists
     summary = json.loads((exp_dir / "summary.json").read_text(encoding="utf-8"))
     # a finished search keeps (--keep-checkpoints best, the default) only the exported
@@ -191,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             if (exp_dir / "mtbert_search.json").is_file() else {}
         base = settings.get("base", {})
     if not base:
-        from mtbert.config import TrainConfig
+        from mtbert.core.config import TrainConfig
         base = TrainConfig().__dict__
-    from mtbert.errors import MtbertError
-    from mtbert.tasks import TASK_NAMES
+    from mtbert.core.errors import MtbertError
+    from mtbert.core.tasks import TASK_NAMES
     try:
         data = load_full_data(base, args.data_dir)
     except MtbertError as exc:  # bad data folder or model: one line, exit 2, nothing written
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[quality] zero-shot baseline in {time.perf_counter() - t0:.0f} s", flush=True)
     if exp_dir is not None:
         result["search"] = rescore_search(exp_dir, data)
-    from mtbert.atomic import atomic_write_json
+    from mtbert.core.atomic import atomic_write_json
     out = Path(args.out)
     atomic_write_json(out / "quality.json", result)
     zs = result["zero_shot"]

@@ -33,7 +33,7 @@ SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "v
 def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
     from ray import tune
 
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune.infra import cluster
     from mtbert.tune.trial import work_folders

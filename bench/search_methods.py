@@ -173,7 +173,7 @@ def bench_budget(args, method: Method):
 def bench_base(args) -> dict:
     """The TrainConfig fields every trial of the bench shares (data slices, model, lr,
     batch, one CPU thread)."""
-    from mtbert.config import default_cache_dir
+    from mtbert.core.config import default_cache_dir
     return {"model": args.model, "data_dir": str(Path(args.data_dir).resolve()),
             "cache_dir": str(default_cache_dir("").resolve()),
             "max_train_per_task": args.train_rows, "max_eval_per_task": args.eval_rows,

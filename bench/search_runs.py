@@ -117,7 +117,7 @@ def run_method(name: str, seed: int, data, base: dict, args, storage: Path, earl
 
 def dev_score(checkpoint_dir: str, data, device: str = "cpu") -> dict:
     """dev overall (and its standard error) of a checkpoint, on the bench's dev rows."""
-    from mtbert.inference import as_label
+    from mtbert.run.inference import as_label
     from mtbert.tune.results.finalists import predict_member, score_split
     preds = predict_member(checkpoint_dir, data, device, splits=("dev",))["dev"]
     m = score_split(data, "dev", {t: as_label(t, p) for t, p in preds.items()})
@@ -131,7 +131,7 @@ def bench_ray(args, out: Path):
     Ray's trial folders go, the machine kept with each run."""
     import ray
 
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune.infra import cluster
     storage = out / f"ray_results-{time.strftime('%Y%m%d-%H%M%S')}"

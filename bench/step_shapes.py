@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from bench.common import add_data_arguments, synchronize
-from mtbert.config import TrainConfig
+from mtbert.core.config import TrainConfig
 from mtbert.data import TaskBatcher, encoding_for, load_data, real_rows
-from mtbert.tasks import TASK_NAMES
-from mtbert.trainer import Trainer
+from mtbert.core.tasks import TASK_NAMES
+from mtbert.step.trainer import Trainer
 
 
 def batch_shapes(batches: dict[str, dict[str, torch.Tensor]]) -> tuple:

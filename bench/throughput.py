@@ -42,12 +42,12 @@ import numpy as np
 import torch
 
 from bench.common import add_data_arguments, synchronize
-from mtbert.config import TrainConfig, parse_set_args
+from mtbert.core.config import TrainConfig, parse_set_args
 from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
-from mtbert.losses import task_loss
-from mtbert.tasks import TASK_NAMES
-from mtbert.trainer import Trainer
+from mtbert.techniques.losses import task_loss
+from mtbert.core.tasks import TASK_NAMES
+from mtbert.step.trainer import Trainer
 
 
 
@@ -396,7 +396,7 @@ def main() -> None:
     precision = "bf16" if device.type == "cuda" else "fp32"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
     print(f"torch {torch.__version__}, {name}, {precision} matmul peak {peak:.1f} GFLOP/s")
-    from mtbert.errors import MtbertError
+    from mtbert.core.errors import MtbertError
     try:
         if args.mode == "tasks":
             bench_tasks(args, peak)

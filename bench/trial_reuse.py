@@ -2,7 +2,7 @@
 
 A Ray worker that Tune reuses trains trial after trial in one process.  This runs that
 sequence in one process twice: *kept* (each trainer takes its predecessor's model, SMART
-regulariser and task graphs, ``mtbert.graph_reuse``) and *fresh* (what was kept is dropped
+regulariser and task graphs, ``mtbert.run.graph_reuse``) and *fresh* (what was kept is dropped
 before each trial, so each builds and captures its own).  The trials share a structure
 (the trainer's defaults, SMART on every task, or ``--set``) and differ in seed, lr,
 dropout and SMART's λ, ε, μ, as a search's trials do.  Per trial: the trainer's setup
@@ -23,10 +23,10 @@ import tempfile
 import time
 
 from bench.common import add_data_arguments, synchronize
-from mtbert import graph_reuse
-from mtbert.config import TrainConfig, parse_set_args
+from mtbert.run import graph_reuse
+from mtbert.core.config import TrainConfig, parse_set_args
 from mtbert.data import load_data, real_rows
-from mtbert.trainer import Trainer
+from mtbert.step.trainer import Trainer
 
 #: what varies from trial to trial (cycled): values of the ``smart`` space's ranges
 VARIED = [dict(seed=0, lr=5e-5, dropout=0.1, smart_eps=1e-3, smart_mu=0.5, scale=1.0),

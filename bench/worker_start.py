@@ -11,7 +11,7 @@ order, timing each stage:
 * ``tune``    -- Ray Tune's function trainable (the actor's class);
 * ``trainable`` -- ``mtbert.tune.trial.trainable`` (unpickling the trial function);
 * ``data``    -- ``mtbert.data`` (unpickling the object store's data: torch);
-* ``trainer`` -- ``mtbert.trainer`` and ``transformers.modeling_utils`` (the model class);
+* ``trainer`` -- ``mtbert.step.trainer`` and ``transformers.modeling_utils`` (the model class);
 * ``device``  -- ``--device cuda``: the CUDA context (a first tensor on the GPU);
 * ``model``   -- ``--model``: the encoder and heads built from the folder, on the device.
 
@@ -49,14 +49,14 @@ t = time.time(); import ray; stage("ray", t)
 t = time.time(); import ray.tune.trainable.function_trainable; stage("tune", t)
 t = time.time(); import mtbert.tune.trial.trainable; stage("trainable", t)
 t = time.time(); import mtbert.data; stage("data", t)
-t = time.time(); import mtbert.trainer, transformers.modeling_utils; stage("trainer", t)
+t = time.time(); import mtbert.step.trainer, transformers.modeling_utils; stage("trainer", t)
 import torch
 device = torch.device(sys.argv[2])
 if device.type == "cuda":
     t = time.time(); torch.zeros(1, device=device); torch.cuda.synchronize(); stage("device", t)
 if sys.argv[3]:
-    from mtbert.config import TrainConfig
-    from mtbert.model import MultitaskModel
+    from mtbert.core.config import TrainConfig
+    from mtbert.model.model import MultitaskModel
     t = time.time()
     MultitaskModel.from_config(TrainConfig(model=sys.argv[3])).to(device)
     if device.type == "cuda":

@@ -5,7 +5,7 @@ Trains one run and writes ``OUT/metrics.json``, ``OUT/config.yaml``,
 (one message on stderr naming the file or field); on bad input nothing is written.
 
 ``--fuse-seeds 0,1,2`` trains the configuration once per seed, the runs fused into one
-model (:mod:`mtbert.fused_training`), each into ``OUT/seed-<seed>/`` with a solo run's files.
+model (:mod:`mtbert.step.fused_training`), each into ``OUT/seed-<seed>/`` with a solo run's files.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import logging
 import sys
 from pathlib import Path
 
-from mtbert.atomic import check_creatable
-from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir, parse_set_args
-from mtbert.errors import MtbertError
-from mtbert.pretrained import check_model
+from mtbert.core.atomic import check_creatable
+from mtbert.core.config import TrainConfig, cache_dir_source, default_cache_dir, parse_set_args
+from mtbert.core.errors import MtbertError
+from mtbert.core.pretrained import check_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise MtbertError(f"--resume: no checkpoint in {resume_from}")
         # deferred: torch, transformers (heavy imports after the cheap checks)
         from mtbert.data import load_data
-        from mtbert.trainer import Trainer
-        from mtbert.training_state import check_checkpoint
+        from mtbert.step.trainer import Trainer
+        from mtbert.run.training_state import check_checkpoint
         if resume_from is not None:
             check_checkpoint(resume_from)
         check_model(cfg.model)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_fused(cfg, data, out: Path, seeds: list[int]) -> int:
-    from mtbert.fused_training import train_fused  # deferred: torch
+    from mtbert.step.fused_training import train_fused  # deferred: torch
 
     cfgs = [cfg.replace(seed=seed) for seed in seeds]
     outs = [out / f"seed-{seed}" for seed in seeds]

@@ -248,8 +248,8 @@ def one_torch_thread():
 @pytest.fixture
 def no_kept_step():
     """A test's trainers start without another test's kept step graphs
-    (``mtbert.graph_reuse``), and leave none behind."""
-    from mtbert import graph_reuse
+    (``mtbert.run.graph_reuse``), and leave none behind."""
+    from mtbert.run import graph_reuse
 
     graph_reuse.forget()
     yield
@@ -259,7 +259,7 @@ def no_kept_step():
 @pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir, tiny_data_dir):
     """A fast TrainConfig on the tiny model and tiny data; pass overrides as kwargs."""
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
 
     def make(**overrides):
         base = dict(model=tiny_model_dir, data_dir=tiny_data_dir, batch_size=8, epochs=1,

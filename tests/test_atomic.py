@@ -1,4 +1,4 @@
-"""mtbert.atomic: a failed write leaves the old file and no temporary file behind."""
+"""mtbert.core.atomic: a failed write leaves the old file and no temporary file behind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mtbert.atomic import atomic_write, atomic_write_json, atomic_write_text
+from mtbert.core.atomic import atomic_write, atomic_write_json, atomic_write_text
 
 
 def test_failed_write_keeps_the_old_content_and_leaves_no_litter(tmp_path):

@@ -176,9 +176,9 @@ def trained_run(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     import torch
 
     from mtbert.data import load_data
-    from mtbert.trainer import Trainer
+    from mtbert.step.trainer import Trainer
 
-    from mtbert.config import TrainConfig, parse_set_args
+    from mtbert.core.config import TrainConfig, parse_set_args
 
     out = tmp_path_factory.mktemp("trained") / "out"
     # the settings the CLI cases pass, so only what a case changes differs on --resume

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtbert.config import TrainConfig
+from mtbert.core.config import TrainConfig
 from mtbert.data import (TaskBatcher, carve_validation, collate, load_data, read_task_file)
-from mtbert.errors import DataError
-from mtbert.tasks import TASKS
+from mtbert.core.errors import DataError
+from mtbert.core.tasks import TASKS
 
 SST_HEADER = "\tid\tsentence\tsentiment\n"
 QQP_HEADER = "\tid\tsentence1\tsentence2\tis_duplicate\n"
@@ -231,7 +231,7 @@ def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, ti
     import pyarrow.parquet as pq
 
     from mtbert.data import CacheStats, tokenize_cached
-    from mtbert.pretrained import load_tokenizer
+    from mtbert.core.pretrained import load_tokenizer
     table = read_task_file(Path(tiny_data_dir) / "sts-dev.csv", TASKS["sts"], labelled=True)
     tokenizer = load_tokenizer(tiny_model_dir)
     stats = CacheStats()

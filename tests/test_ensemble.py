@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtbert.ensemble import (combine, greedy_selection, greedy_task_selection, mode_vote,
+from mtbert.run.ensemble import (combine, greedy_selection, greedy_task_selection, mode_vote,
                              task_labels, weighted_median)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.results.extension import (EarlierSearch, KnownTrial, differences, earlier_search,
                                            parse_trials, searcher_points)
 from mtbert.tune.trial.objective import OBJECTIVE
@@ -282,7 +282,7 @@ def test_no_old_trial_trains_again(searches):
 def test_the_ensemble_takes_an_old_trials_kept_weights(searches):
     import torch
 
-    from mtbert.inference import load_checkpoint_model
+    from mtbert.run.inference import load_checkpoint_model
     first, second = searches["first"]["summary"], searches["second"]["summary"]
     kept = set(first["models"])                       # the first search's best and members
     ens = second["ensemble"]
@@ -375,7 +375,7 @@ def test_a_search_on_a_uri_storage_is_extended_from_its_uri(shared_ray, tmp_path
     keeps them at its own URI; trials.json names weights by URI, not by a staging path."""
     import torch
 
-    from mtbert.inference import load_checkpoint_model
+    from mtbert.run.inference import load_checkpoint_model
     from mtbert.tune.infra.location import is_uri
     root = tmp_path / "store"
     common = ["--storage-path", root.as_uri(), "--mlflow-uri",

@@ -1,4 +1,4 @@
-"""Fused trials (mtbert/fused_model.py, fused_adamw.py, fused_training.py): N trials of one
+"""Fused trials (mtbert/step/fused_model.py, fused_adamw.py, fused_training.py): N trials of one
 structure trained as one stacked model train as their solo runs do."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import torch
 from conftest import make_tiny_model
 
 from mtbert.data import TaskBatcher, collate, encoding_for, load_data
-from mtbert.fused_attention import BATCHED_ATTENTION
-from mtbert.fused_adamw import TrialAdamW
-from mtbert.fused_model import FusedModel, stack_batches
-from mtbert.fused_training import FusedGroup, plan_groups, train_fused
-from mtbert.inference import load_checkpoint_model, predict_split
-from mtbert.losses import task_loss
-from mtbert.model import FOUR_D_MASK, MultitaskModel
-from mtbert.trainer import NonFiniteLossError, Trainer
-from mtbert.trial_run import TrialRun
+from mtbert.model.fused_attention import BATCHED_ATTENTION
+from mtbert.step.fused_adamw import TrialAdamW
+from mtbert.step.fused_model import FusedModel, stack_batches
+from mtbert.step.fused_training import FusedGroup, plan_groups, train_fused
+from mtbert.run.inference import load_checkpoint_model, predict_split
+from mtbert.techniques.losses import task_loss
+from mtbert.model.model import FOUR_D_MASK, MultitaskModel
+from mtbert.step.trainer import NonFiniteLossError, Trainer
+from mtbert.run.trial_run import TrialRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
 
@@ -337,7 +337,7 @@ def test_unfusable_configurations_train_alone_with_their_reason(quiet_config, tm
     reasons = [reason for _, reason in groups]
     assert reasons[:4] + reasons[5:] == [None] * 5
     assert "distilbert" in reasons[4] and "\n" not in reasons[4]
-    monkeypatch.setattr("mtbert.fused_training.FUSABLE_MODEL_TYPES", ("roberta",))
+    monkeypatch.setattr("mtbert.step.fused_training.FUSABLE_MODEL_TYPES", ("roberta",))
     logged = []
     results = train_fused([quiet_config(seed=0, max_examples=16),
                            quiet_config(seed=1, max_examples=16)],
@@ -587,7 +587,7 @@ def test_a_paused_smart_pcgrad_trial_resumes_into_the_group_as_its_solo_run(quie
 
 
 def test_fused_attention_batches_the_trials_on_the_cpu(quiet_config, recwarn):
-    """On the CPU the fused encoder's attention is :mod:`mtbert.fused_attention`'s, which
+    """On the CPU the fused encoder's attention is :mod:`mtbert.model.fused_attention`'s, which
     ``vmap`` batches (SDPA's CPU kernel has no batching rule: ``vmap`` would warn and loop
     over the trials), and each trial's loss is its own model's (float64, within 1e-12)."""
     cfg = quiet_config()

@@ -99,9 +99,9 @@ def test_fused_search_has_one_mlflow_run_per_trial(fused_search):
 def test_each_fused_trial_reports_what_it_reports_trained_alone(fused_search, tmp_path):
     """Every report of every trial (the scheduler's stops included) equals, within fp32
     drift, the same evaluation of its config trained alone by the Trainer."""
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
-    from mtbert.trainer import Trainer
+    from mtbert.step.trainer import Trainer
     from mtbert.tune.trial.trial_config import trial_config
 
     exp_dir = fused_search["exp_dir"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.infra.cluster import (MAX_TRIALS_PER_GPU, model_parameters, pack_trials,
                                        trials_per_gpu)
 from ray_cluster import LocalRayCluster

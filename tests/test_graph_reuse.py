@@ -15,12 +15,12 @@ import weakref
 import pytest
 import torch
 
-from mtbert import graph_reuse
-from mtbert.config import TrainConfig
+from mtbert.run import graph_reuse
+from mtbert.core.config import TrainConfig
 from mtbert.data import load_data
-from mtbert.dropout_rate import RateDropout, hold_dropout_in_tensor
-from mtbert.model import MultitaskModel
-from mtbert.trainer import NonFiniteLossError, Trainer
+from mtbert.model.dropout_rate import RateDropout, hold_dropout_in_tensor
+from mtbert.model.model import MultitaskModel
+from mtbert.step.trainer import NonFiniteLossError, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +32,7 @@ SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=0.5, smart_lambda_sts=2.0, s
 def graphs_on_cpu(monkeypatch, no_kept_step):
     """The trainer takes the graphed path on the CPU (bodies run eagerly); nothing kept
     outlives the test."""
-    monkeypatch.setattr("mtbert.trainer.graphs_wanted", lambda cfg, device: True)
+    monkeypatch.setattr("mtbert.step.trainer.graphs_wanted", lambda cfg, device: True)
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

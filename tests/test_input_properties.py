@@ -20,10 +20,10 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mtbert.config import TrainConfig, coerce_value, field_kind, parse_set_args
+from mtbert.core.config import TrainConfig, coerce_value, field_kind, parse_set_args
 from mtbert.data import read_task_file
-from mtbert.errors import ConfigError, DataError
-from mtbert.tasks import TASKS
+from mtbert.core.errors import ConfigError, DataError
+from mtbert.core.tasks import TASKS
 
 #: 80 fixed examples per test in the suite (a few seconds); for a deeper random search run
 #: MTBERT_PROPERTY_EXAMPLES=5000 python -m pytest tests/test_input_properties.py

@@ -18,47 +18,53 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 
-#: bottom to top; a module may import from its own layer and the ones below.  The trainer's
-#: layers are named here; the search's are its packages, read from the tree
-#: (:func:`tune_layers`), so that the docs' table (checked against this) follows the tree.
-TRAINER_LAYERS = [
-    ("base", ["mtbert", "mtbert.errors", "mtbert.atomic", "mtbert.config", "mtbert.tasks"]),
-    ("parts", ["mtbert.pretrained", "mtbert.data.files", "mtbert.data.tokens",
-               "mtbert.data.splits", "mtbert.data.batching", "mtbert.data", "mtbert.model",
-               "mtbert.cosine_init",
-               "mtbert.losses", "mtbert.gradients", "mtbert.smart", "mtbert.task_schedules",
-               "mtbert.lr_schedules", "mtbert.metrics", "mtbert.predictions",
-               "mtbert.ensemble", "mtbert.dropout_rate", "mtbert.devices",
-               "mtbert.fused_attention", "mtbert.fused_model", "mtbert.fused_adamw", "mtbert.fused_smart",
-               "mtbert.fused_losses", "mtbert.fused_gradients"]),
-    ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
-              "mtbert.training_state", "mtbert.checkpoint",
-              "mtbert.model_files", "mtbert.inference", "mtbert.trial_run",
-              "mtbert.step_engine", "mtbert.trainer", "mtbert.fused_training"]),
-]
+#: the trainer's packages, bottom to top; a module imports from its own layer and the ones
+#: below.  Every layer is a package, read from the tree (:func:`trainer_layers`,
+#: :func:`tune_layers`), so that the docs' table (checked against this) follows the tree:
+#: ``mtbert``'s own ``__init__`` is in the bottom layer, its top-level modules (``train.py``)
+#: in the commands layer
+TRAINER_PACKAGES = ["core", "data", "model", "techniques", "run", "step"]
 #: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
 #: settings, the driver) are the commands layer with ``mtbert.train``
 TUNE_PACKAGES = ["trial", "search", "infra", "results"]
 
 
-def tune_layers(root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
-    """The search's layers from the tree: one per package of mtbert/tune (every module
-    under it, sub-packages included), then the commands."""
-    tune = root / "tune"
-    folders = sorted(p.name for p in tune.iterdir() if (p / "__init__.py").is_file())
-    assert folders == sorted(TUNE_PACKAGES), (
-        f"mtbert/tune's packages {folders} are not TUNE_PACKAGES {TUNE_PACKAGES}: give a new "
+def package_layers(folder: Path, order: list[str], prefix: str,
+                   root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    """One layer per package of ``folder`` in ``order`` (every module under it, sub-packages
+    included), named ``prefix + package``."""
+    found = sorted(p.name for p in folder.iterdir() if (p / "__init__.py").is_file())
+    assert found == sorted(order), (
+        f"{folder.relative_to(root.parent)}'s packages {found} are not {order}: give a new "
         "package its place in the order")
     modules = package_modules(root)
-    layers = [(f"tune: {pkg}", sorted(m for m in modules if m.startswith(f"mtbert.tune.{pkg}.")
-                                      or m == f"mtbert.tune.{pkg}"))
-              for pkg in TUNE_PACKAGES]
-    top = sorted(m for m, path in modules.items() if path.parent == tune)
-    return layers + [("commands", ["mtbert.train", *top])]
+    dotted = module_name(folder / "__init__.py", root)
+    return [(f"{prefix}{pkg}", sorted(m for m in modules if m.startswith(f"{dotted}.{pkg}.")
+                                      or m == f"{dotted}.{pkg}"))
+            for pkg in order]
 
 
-def all_layers() -> list[tuple[str, list[str]]]:
-    return TRAINER_LAYERS + tune_layers()
+def trainer_layers(root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    """The trainer's layers from the tree: one per package of mtbert but tune/, ``mtbert``
+    itself in the bottom one."""
+    layers = package_layers(root, [*TRAINER_PACKAGES, "tune"], "", root)[:-1]
+    (name, members), *rest = layers
+    return [(name, ["mtbert", *members]), *rest]
+
+
+def tune_layers(root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    """The search's layers from the tree: one per package of mtbert/tune, then the
+    commands: mtbert's and mtbert/tune's top-level modules."""
+    modules = package_modules(root)
+    top = sorted(m for m, path in modules.items() if path.parent == root / "tune"
+                 or path.parent == root and path.name != "__init__.py")
+    return package_layers(root / "tune", TUNE_PACKAGES, "tune: ", root) + [("commands", top)]
+
+
+def all_layers(root: Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    return trainer_layers(root) + tune_layers(root)
+
+
 #: what an in-function import may defer (tests/test_cli_startup.py's, and the extras')
 HEAVY = {"ray", "mlflow", "optuna", "torch", "transformers", "matplotlib", "pandas", "scipy",
          "pyarrow", "sklearn", "hpbandster", "ConfigSpace"}
@@ -398,9 +404,22 @@ def test_an_upward_import_is_reported():
                                "mtbert.tune.results.records (tune: results), line 3"]
 
 
-def readme_layout_modules() -> set[str]:
-    """The mtbert modules README's layout names: its code block, read by indentation
-    (``name/`` a folder, ``name.py`` a module in the folder above it)."""
+def test_an_upward_import_between_the_trainer_s_folders_is_reported():
+    imports = [Import("mtbert.run.trial_run", "mtbert.step.step_engine", 7, False, frozenset())]
+    assert upward(imports) == ["mtbert.run.trial_run (run) imports mtbert.step.step_engine "
+                               "(step), line 7"]
+
+
+def test_a_new_folder_needs_its_place_in_the_order(tmp_path):
+    root = _write(tmp_path, {f"mtbert/{pkg}/__init__.py": ""
+                             for pkg in [*TRAINER_PACKAGES, "tune", "extra"]})
+    with pytest.raises(AssertionError, match="give a new package its place"):
+        trainer_layers(root)
+
+
+def readme_layout_paths() -> set[str]:
+    """The paths under mtbert/ README's layout names: its code block, read by indentation
+    (``name/`` a folder, ``name.py`` a module in the folder above it); a folder ends in /."""
     text = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
     stack: list[tuple[int, str]] = []
@@ -412,16 +431,20 @@ def readme_layout_modules() -> set[str]:
         indent, name = len(match.group(1)), match.group(2)
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        path = "/".join([s for _, s in stack] + [name.rstrip("/")])
+        path = "/".join([s for _, s in stack] + [name])
         if name.endswith("/"):
             stack.append((indent, name.rstrip("/")))
-        elif path.startswith("mtbert/"):
-            found.add(path[:-3].replace("/", "."))
+        if path.startswith("mtbert/"):
+            found.add(path)
     return found
 
 
-def test_readme_s_layout_names_every_module_and_only_those():
-    modules = {m for m, path in package_modules().items() if path.name != "__init__.py"}
-    named = readme_layout_modules()
-    assert sorted(named - modules) == [], "README names modules that do not exist"
-    assert sorted(modules - named) == [], "README's layout leaves these out"
+def test_readme_s_layout_names_every_folder_and_only_those():
+    """README names mtbert's folders (every package, sub-packages included) and may name a
+    module; docs/architecture.md's layer table names every module."""
+    root = PACKAGE.parent
+    folders = {f"{p.parent.relative_to(root).as_posix()}/" for p in PACKAGE.rglob("__init__.py")}
+    named = readme_layout_paths()
+    assert sorted(folders - named) == [], "README's layout leaves these folders out"
+    assert sorted(p for p in named - folders if not (p.endswith(".py") and (root / p).is_file())) \
+        == [], "README names folders or modules that do not exist"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from mtbert.config import TrainConfig
-from mtbert.losses import (FixedCombiner, SumCombiner, UncertaintyCombiner, build_loss_combiner,
+from mtbert.core.config import TrainConfig
+from mtbert.techniques.losses import (FixedCombiner, SumCombiner, UncertaintyCombiner, build_loss_combiner,
                            penalised_parameters, sts_loss)
-from mtbert.model import TaskOutput
+from mtbert.model.model import TaskOutput
 
 
 def cfg(**kw):
@@ -114,7 +114,7 @@ def test_penalties_add_the_right_amount(weighting):
 
 
 def test_penalty_on_the_real_model_excludes_biases_and_layernorm(tiny_config):
-    from mtbert.model import MultitaskModel
+    from mtbert.model.model import MultitaskModel
     config = tiny_config(l2_lambda=1e-3)
     model = MultitaskModel.from_config(config)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -160,7 +160,7 @@ def test_sts_cosine_embedding():
 
 def test_trainer_optimises_the_learned_weights(tiny_config, tmp_path):
     from mtbert.data import load_data
-    from mtbert.trainer import Trainer
+    from mtbert.step.trainer import Trainer
     config = tiny_config(loss_weighting="uncertainty", update="summed", max_examples=72,
                          eval_dev=False, l1_lambda=1e-6)
     trainer = Trainer(config, load_data(config), tmp_path)
@@ -176,8 +176,8 @@ def test_trainer_optimises_the_learned_weights(tiny_config, tmp_path):
 def test_a_combiner_without_a_fused_form_is_refused_not_summed(tiny_config):
     """A loss combiner the fused step does not know (here a subclass weighting in its own
     way) is an error naming it, not a silent plain sum of the tasks (each at weight 1)."""
-    from mtbert.fused_losses import FusedLossWeighting
-    from mtbert.losses import LossCombiner, build_loss_combiner
+    from mtbert.step.fused_losses import FusedLossWeighting
+    from mtbert.techniques.losses import LossCombiner, build_loss_combiner
 
     class Halved(LossCombiner):
         def weighted(self, losses):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mtbert.data import load_data
-from mtbert.lr_schedules import build_lr_scheduler, warmup_steps
-from mtbert.trainer import Trainer
+from mtbert.techniques.lr_schedules import build_lr_scheduler, warmup_steps
+from mtbert.step.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtbert.config import TrainConfig, parse_set_args
-from mtbert.errors import ConfigError
+from mtbert.core.config import TrainConfig, parse_set_args
+from mtbert.core.errors import ConfigError
 from scipy import stats
 
-from mtbert.metrics import overall_score, pearson, split_metrics, task_metrics
+from mtbert.run.metrics import overall_score, pearson, split_metrics, task_metrics
 
 
 def test_overall_score_hand_computed():

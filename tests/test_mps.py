@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.infra import mps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """One place for each fact: the roles a TrainConfig field plays for the search, the step
-graphs and a resume are in the field's own metadata (mtbert/config.py) and the lists of
+graphs and a resume are in the field's own metadata (mtbert/core/config.py) and the lists of
 them are derived there, no other module of the package keeps a list of field names of its
-own; the tasks are listed in mtbert/tasks.py alone; and a field's name is written out
+own; the tasks are listed in mtbert/core/tasks.py alone; and a field's name is written out
 where it is used, never built from pieces (so a search for the name finds every use)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import ast
 import re
 from pathlib import Path
 
-from mtbert import config
-from mtbert.config import TrainConfig
+from mtbert.core import config
+from mtbert.core.config import TrainConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 BENCH = PACKAGE.parent / "bench"
@@ -89,7 +89,7 @@ def field_name_lists(path: Path, root: Path = PACKAGE.parent) -> list[str]:
 
 
 def test_no_module_but_config_lists_fields_by_name():
-    lists = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "config.py"
+    lists = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "core" / "config.py"
              for hit in field_name_lists(path)]
     assert lists == []
 
@@ -120,7 +120,7 @@ def task_lists(path: Path, tree: ast.AST) -> list[str]:
 
 
 def test_no_module_but_tasks_lists_the_tasks():
-    assert [hit for path, tree in _sources(PACKAGE, BENCH) if path != PACKAGE / "tasks.py"
+    assert [hit for path, tree in _sources(PACKAGE, BENCH) if path != PACKAGE / "core" / "tasks.py"
             for hit in task_lists(path, tree)] == []
 
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtbert.cosine_init import fit_logistic_1d, qqp_cosines
+from mtbert.model.cosine_init import fit_logistic_1d, qqp_cosines
 from mtbert.data import collate, load_data
-from mtbert.model import MultitaskModel
-from mtbert.trainer import Trainer
+from mtbert.model.model import MultitaskModel
+from mtbert.step.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tiny_model_dir, tiny_data_dir):
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     return load_data(TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, max_length=32))
 
 
@@ -58,7 +58,7 @@ def test_affine_map_learns_scale_and_shift(tiny_config, tiny_data):
     cfg = tiny_config(pair_encoding="siamese", sts_head="cosine")
     model = MultitaskModel.from_config(cfg)
     batch = collate(tiny_data.split("sts", "train"), np.arange(8), "siamese", tiny_data.pad_id)
-    from mtbert.losses import task_loss
+    from mtbert.techniques.losses import task_loss
     loss = task_loss("sts", model("sts", batch), batch["labels"], cfg)
     loss.backward()
     assert model.sts_cos_scale.grad is not None and model.sts_cos_scale.grad.abs() > 0
@@ -137,7 +137,7 @@ def test_evaluation_at_zero_examples_is_recorded_and_reported(tiny_config, tiny_
         b = collate(split, np.array([i]), "siamese", tiny_data.pad_id)
         o = fresh("sts", b)
         cos.append(F.cosine_similarity(o.u, o.v, dim=-1).item())
-    from mtbert.metrics import pearson
+    from mtbert.run.metrics import pearson
     assert start["val/sts_corr"] == pytest.approx(pearson(np.clip(5 * np.array(cos), 0, 5),
                                                           split.labels), abs=1e-3)
 

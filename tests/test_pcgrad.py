@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mtbert.data import collate, encoding_for, load_data
-from mtbert.gradients import (PCGradGradients, SumGradients, build_gradient_combiner, pcgrad,
+from mtbert.techniques.gradients import (PCGradGradients, SumGradients, build_gradient_combiner, pcgrad,
                               project_conflicting, random_orders)
-from mtbert.losses import UncertaintyCombiner, task_loss
-from mtbert.model import MultitaskModel
-from mtbert.trainer import Trainer
+from mtbert.techniques.losses import UncertaintyCombiner, task_loss
+from mtbert.model.model import MultitaskModel
+from mtbert.step.trainer import Trainer
 
 TASKS = ("sst", "qqp", "sts")
 
@@ -100,7 +100,7 @@ def test_random_orders_are_permutations_of_the_others():
 # ------------------------------------------------------------------ the combiner on a model
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tiny_data_dir):
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
 
     cfg = TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, batch_size=8, epochs=1,
                       max_length=32, progress=False, threads=1, dropout=0.0, update="summed",

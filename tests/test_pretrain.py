@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mtbert.data import load_data, pad_rows
-from mtbert.model import MultitaskModel
-from mtbert.pretrain import (cache_key, run_pretraining, sentence_vectors, simcse_loss,
+from mtbert.model.model import MultitaskModel
+from mtbert.techniques.pretrain import (cache_key, run_pretraining, sentence_vectors, simcse_loss,
                              simcse_sentences, stage_modules)
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def test_simcse_loss_closed_forms(tau):
 # ------------------------------------------------------------------ the stages
 @pytest.fixture(scope="module")
 def make(tiny_model_dir, tiny_data_dir, tmp_path_factory):
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     cache = str(tmp_path_factory.mktemp("pretrain-cache"))
 
     def make(**overrides):
@@ -188,7 +188,7 @@ def test_corrupt_cache_file_is_recomputed(make, data):
 
 
 def test_trainer_runs_the_stage_once(make, data, tmp_path):
-    from mtbert.trainer import Trainer
+    from mtbert.step.trainer import Trainer
     cfg = make(seed=7, pretrain_examples=64, eval_dev=False)
     a = Trainer(cfg, data, tmp_path / "a")
     b = Trainer(cfg, data, tmp_path / "b")
@@ -200,9 +200,9 @@ def test_trainer_runs_the_stage_once(make, data, tmp_path):
 # ------------------------------------------------------------------ two processes racing
 def _race_worker(cfg_dict, data, barrier, queue):
     import torch
-    from mtbert.config import TrainConfig
-    from mtbert.model import MultitaskModel
-    from mtbert.pretrain import run_pretraining
+    from mtbert.core.config import TrainConfig
+    from mtbert.model.model import MultitaskModel
+    from mtbert.techniques.pretrain import run_pretraining
     torch.set_num_threads(1)
     cfg = TrainConfig.from_dict(cfg_dict)
     torch.manual_seed(cfg.seed)

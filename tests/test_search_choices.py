@@ -453,7 +453,7 @@ def _promoting_asha_on_222(num_samples: int, last_leg_cpus: float = 0.0,
 
 
 def test_rung_metric_names_one_metric_or_one_per_rung():
-    from mtbert.errors import ConfigError
+    from mtbert.core.errors import ConfigError
     from mtbert.tune.trial.objective import rung_metric_keys, rung_metric_label
     assert rung_metric_keys("overall") == (OBJECTIVE,)
     assert rung_metric_keys("classes_soft, overall_soft") == ("val/classes_soft",

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mtbert.data import collate, encoding_for, load_data
-from mtbert.model import MultitaskModel
-from mtbert.smart import (SmartRegulariser, build_regulariser, divergence, smart_output,
+from mtbert.model.model import MultitaskModel
+from mtbert.techniques.smart import (SmartRegulariser, build_regulariser, divergence, smart_output,
                           symmetric_kl_bernoulli, symmetric_kl_logits)
-from mtbert.trainer import Trainer
+from mtbert.step.trainer import Trainer
 
 MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mtbert.config import TrainConfig
+from mtbert.core.config import TrainConfig
 from mtbert.tune.search.spaces import (SpaceError, available_spaces, default_spaces_dir,
                                        list_spaces, load_space)
 

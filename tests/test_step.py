@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mtbert.data import STATIC_LENGTHS, collate, load_data, static_length
-from mtbert.errors import ConfigError
-from mtbert.inference import predict_split
-from mtbert.trainer import NonFiniteLossError, Trainer
+from mtbert.core.errors import ConfigError
+from mtbert.run.inference import predict_split
+from mtbert.step.trainer import NonFiniteLossError, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert import graph_reuse
+from mtbert.run import graph_reuse
 from mtbert.data import load_data
-from mtbert.trainer import NonFiniteLossError, Trainer
+from mtbert.step.trainer import NonFiniteLossError, Trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_kept_step"),
               pytest.mark.skipif(not torch.cuda.is_available(),

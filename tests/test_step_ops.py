@@ -20,9 +20,9 @@ import pytest
 
 from bench.fused import OpCounter
 from mtbert.data import load_data
-from mtbert.fused_training import FusedGroup
-from mtbert.trainer import Trainer
-from mtbert.trial_run import TrialRun
+from mtbert.step.fused_training import FusedGroup
+from mtbert.step.trainer import Trainer
+from mtbert.run.trial_run import TrialRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mtbert.task_schedules import Annealed, build_schedule, super_batches
+from mtbert.techniques.task_schedules import Annealed, build_schedule, super_batches
 
 SIZES = {"sst": 267, "qqp": 422, "sts": 189}  # batches per task at batch 32 on the real train splits
 

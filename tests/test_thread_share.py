@@ -104,7 +104,7 @@ def test_a_trial_grows_into_the_cpu_its_ended_partner_held(shared_ray, tiny_mode
     ``grow_threads=False`` it keeps 1."""
     from ray import tune
 
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune.trial.trainable import train_trial
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from mtbert.data import load_data
-from mtbert.trainer import Trainer
+from mtbert.step.trainer import Trainer
 
 
 def test_checkpoint_weights_are_an_exported_model_and_apart_from_the_state(tiny_config,
                                                                            tmp_path):
     from transformers import AutoModel
 
-    from mtbert.model_files import export_checkpoint, load_model
-    from mtbert.training_state import load_tensors, read_training_state
+    from mtbert.run.model_files import export_checkpoint, load_model
+    from mtbert.run.training_state import load_tensors, read_training_state
     cfg = tiny_config(max_examples=48, eval_dev=False, smart_mu=1.0)
     data = load_data(cfg)
     trainer = Trainer(cfg, data, tmp_path / "run")
@@ -50,7 +50,7 @@ def test_checkpoint_weights_are_an_exported_model_and_apart_from_the_state(tiny_
 def test_each_tensor_is_stored_once(tmp_path):
     """Tied entries (one tensor under two names) are one host copy, written once and
     restored as one tensor."""
-    from mtbert.training_state import HostCopy, load_tensors, save_tensors
+    from mtbert.run.training_state import HostCopy, load_tensors, save_tensors
     shared = torch.randn(256, 64)
     live = {"embeddings.weight": shared, "decoder.weight": shared, "bias": torch.zeros(64)}
     copier = HostCopy()
@@ -99,7 +99,7 @@ def test_a_failed_checkpoint_job_lets_go_of_what_it_held():
     import threading
     import weakref
 
-    from mtbert.training_state import CheckpointWriter
+    from mtbert.run.training_state import CheckpointWriter
 
     class Held:
         pass
@@ -122,11 +122,11 @@ def test_a_failed_checkpoint_job_lets_go_of_what_it_held():
 
 def test_a_restore_names_the_part_that_does_not_fit_and_a_damaged_counter(tiny_config,
                                                                            tmp_path):
-    """mtbert.checkpoint puts the parts back in order and names the first that fails: a
+    """mtbert.run.checkpoint puts the parts back in order and names the first that fails: a
     loss weighting state with a foreign key, then (state fitting again) counters that are
     not numbers, a damaged file.  A fitting checkpoint gives back its counters and history."""
-    from mtbert.checkpoint import COUNTERS, restore_checkpoint
-    from mtbert.errors import DataError
+    from mtbert.run.checkpoint import COUNTERS, restore_checkpoint
+    from mtbert.core.errors import DataError
     cfg = tiny_config(max_examples=16, eval_dev=False, loss_weighting="uncertainty")
     data = load_data(cfg)
     trainer = Trainer(cfg, data, tmp_path / "run")

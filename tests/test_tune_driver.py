@@ -161,10 +161,10 @@ def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(sear
     training state left anywhere in the experiment."""
     import pyarrow.parquet as pq
 
-    from mtbert.config import TrainConfig
+    from mtbert.core.config import TrainConfig
     from mtbert.data import encoding_for, load_data
-    from mtbert.model_files import load_model
-    from mtbert.inference import predict_split
+    from mtbert.run.model_files import load_model
+    from mtbert.run.inference import predict_split
     s, exp_dir = search["summary"], search["exp_dir"]
     assert s["keep_checkpoints"] == "best"
     kept = {s["best_trial"]["trial_id"], *s["ensemble"]["members"]}

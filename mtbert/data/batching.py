@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from mtbert.data.splits import Split
-from mtbert.tasks import TASKS
+from mtbert.core.tasks import TASKS
 
 def encoding_for(task: str, pair_encoding: str) -> str:
     """'single' for SST; 'cross' or 'siamese' for the pair tasks."""

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.errors import DataError
-from mtbert.tasks import TaskSpec
+from mtbert.core.errors import DataError
+from mtbert.core.tasks import TaskSpec
 
 log = logging.getLogger("mtbert.data")
 

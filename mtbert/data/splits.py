@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.atomic import check_creatable
-from mtbert.config import TrainConfig, cache_dir_source, default_cache_dir
+from mtbert.core.atomic import check_creatable
+from mtbert.core.config import TrainConfig, cache_dir_source, default_cache_dir
 from mtbert.data.files import read_task_file
 from mtbert.data.tokens import CacheStats, TokenTable, tokenize_cached
-from mtbert.errors import DataError
-from mtbert.pretrained import load_tokenizer
-from mtbert.tasks import TASK_NAMES, TASKS
+from mtbert.core.errors import DataError
+from mtbert.core.pretrained import load_tokenizer
+from mtbert.core.tasks import TASK_NAMES, TASKS
 
 log = logging.getLogger("mtbert.data")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mtbert.atomic import atomic_write
+from mtbert.core.atomic import atomic_write
 from mtbert.data.files import RawTable
 
 log = logging.getLogger("mtbert.data")

@@ -12,8 +12,8 @@ import math
 import os
 import sys
 
-from mtbert.config import EMBEDDED_MODEL
-from mtbert.errors import ConfigError, MtbertError
+from mtbert.core.config import EMBEDDED_MODEL
+from mtbert.core.errors import ConfigError, MtbertError
 from mtbert.tune.search.budgets import BUDGETS
 from mtbert.tune.infra.cluster import quiet_environment
 from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEEP_CHOICES,

@@ -3,7 +3,7 @@ settings of a search (``mtbert_search.json``, written when it starts) and, for
 ``--extend``, the finished search's trials (``trials.json``).  On ``--resume`` the saved
 settings win over the command line, so the data, space and budget cannot drift; on
 ``--extend`` the values of :data:`EXTEND_INHERITS` not given are inherited.  Each problem
-is a :class:`~mtbert.errors.ConfigError` naming the flag and the file."""
+is a :class:`~mtbert.core.errors.ConfigError` naming the flag and the file."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.infra import location as loc
 from mtbert.tune.results.extension import TRIALS_FILE, parse_trials
 from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space

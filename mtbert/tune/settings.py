@@ -2,7 +2,7 @@
 
 :func:`resolve_settings` turns the parsed arguments into one :class:`SearchSettings`
 (the space file loaded and validated, the budget, the experiment's location, the MLflow
-store, the base trial config) or raises one :class:`~mtbert.errors.ConfigError` naming
+store, the base trial config) or raises one :class:`~mtbert.core.errors.ConfigError` naming
 the flag; it writes nothing.  What ``--resume`` and ``--extend`` take from an earlier run
 of the driver is read by :mod:`mtbert.tune.saved_settings`.  (The merge of the base config and a trial's sampled values is
 :func:`mtbert.tune.trial.trial_config.trial_config`.)
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtbert.atomic import check_creatable
-from mtbert.config import TrainConfig, default_cache_dir
-from mtbert.errors import ConfigError
-from mtbert.pretrained import check_model
+from mtbert.core.atomic import check_creatable
+from mtbert.core.config import TrainConfig, default_cache_dir
+from mtbert.core.errors import ConfigError
+from mtbert.core.pretrained import check_model
 from mtbert.tune.infra import location as loc
 from mtbert.tune.infra import mps
 from mtbert.tune.search.budgets import Budget, get_budget
@@ -306,7 +306,7 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
         return
     import torch
 
-    from mtbert.devices import check_compile_mode  # deferred: torch
+    from mtbert.core.devices import check_compile_mode  # deferred: torch
     modes = set(param.choices) if param.searched else {param.value}
     cuda = gpus_per_trial != 0 and torch.cuda.is_available()
     for mode in sorted(modes):

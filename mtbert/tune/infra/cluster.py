@@ -16,8 +16,8 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator
 
-from mtbert.errors import ConfigError
-from mtbert.pretrained import resolve_model_path
+from mtbert.core.errors import ConfigError
+from mtbert.core.pretrained import resolve_model_path
 
 
 def quiet_environment() -> None:

@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 _URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 #: URI schemes that pyarrow resolves to a filesystem Ray Tune can use for storage
@@ -156,7 +156,7 @@ def download_checkpoint(fs, fs_path: str, dest: Path, with_weights: bool) -> Pat
     artifacts, the weights for predicting and keeping the model."""
     import pyarrow.fs
 
-    from mtbert.training_state import STATE_FILE, WEIGHT_FILES  # deferred: torch
+    from mtbert.run.training_state import STATE_FILE, WEIGHT_FILES  # deferred: torch
     local_fs = pyarrow.fs.LocalFileSystem()
     dest.mkdir(parents=True, exist_ok=True)
     for info in fs.get_file_info(pyarrow.fs.FileSelector(fs_path, recursive=True)):

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtbert.atomic import atomic_write_text, check_creatable
-from mtbert.errors import MtbertError
-from mtbert.metrics import scalar_metrics
+from mtbert.core.atomic import atomic_write_text, check_creatable
+from mtbert.core.errors import MtbertError
+from mtbert.run.metrics import scalar_metrics
 from mtbert.tune.infra import location as loc
 from mtbert.tune.infra.trial_ends import TrialEnds
 

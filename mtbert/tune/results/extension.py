@@ -4,7 +4,7 @@ Every finished search writes ``trials.json`` beside its summary: each trial it k
 its own and those it inherited -- with its sampled config, its evaluations, how it
 ended, its MLflow run, the search it trained in (``origin``), what its scores were
 measured on (``measured_on``: budget, model, data, validation split) and where its
-weights are (``weights``: a folder :func:`mtbert.inference.load_checkpoint_model` reads,
+weights are (``weights``: a folder :func:`mtbert.run.inference.load_checkpoint_model` reads,
 or null where ``--keep-checkpoints`` removed them).
 
 A search started with ``--extend EXPERIMENT`` reads that file and classifies each trial:
@@ -32,8 +32,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mtbert.config import TrainConfig, coerce_value
-from mtbert.errors import ConfigError
+from mtbert.core.config import TrainConfig, coerce_value
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search.choices import scheduler_choice, searcher_choice
 from mtbert.tune.trial.objective import OBJECTIVE, rung_metric_keys
 from mtbert.tune.results.records import TrialRecord, TrialStatus

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mtbert.metrics import confusion_matrix, scalar_metrics
+from mtbert.run.metrics import confusion_matrix, scalar_metrics
 from mtbert.tune.results.finalists import write_member_predictions
 from mtbert.tune.trial.objective import BEST_OBJECTIVE, OBJECTIVE
 from mtbert.tune.results.report import confusion_plot

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from mtbert.metrics import scalar_metrics
+from mtbert.run.metrics import scalar_metrics
 from mtbert.tune.trial.objective import OBJECTIVE
 from mtbert.tune.trial.trained_log import TRAINED_FOLDER
 

@@ -10,7 +10,7 @@ states) and its ensemble and predictions are written:
 
 * ``best`` (default): the weights of the best trial and of each ensemble member, from
   their best checkpoints, go to ``<experiment>/models/<trial id>/``
-  (:mod:`mtbert.model_files`: ``encoder/`` for ``AutoModel.from_pretrained``,
+  (:mod:`mtbert.run.model_files`: ``encoder/`` for ``AutoModel.from_pretrained``,
   ``heads.safetensors``, ``config.yaml``; the checkpoint's weight files copied as they
   are), and every training state (``state.pt``: AdamW moments, SMART teacher, RNG; and
   the weight files ``encoder/`` and ``heads.safetensors``) is removed; checkpoint folders
@@ -33,7 +33,7 @@ MODELS_DIR = "models"
 def export_models(checkpoints: dict[str, str], folder: Path) -> dict[str, Path]:
     """``{trial_id: best checkpoint}`` -> ``{trial_id: exported model folder}`` (copies of
     the checkpoints' weight files)."""
-    from mtbert.model_files import export_checkpoint  # deferred: torch, transformers
+    from mtbert.run.model_files import export_checkpoint  # deferred: torch, transformers
     return {trial_id: export_checkpoint(checkpoint, folder / trial_id)
             for trial_id, checkpoint in checkpoints.items()}
 
@@ -44,7 +44,7 @@ def remove_training_states(location: ExperimentLocation) -> tuple[int, int]:
     (checkpoints, bytes)."""
     import pyarrow.fs
 
-    from mtbert.training_state import (ENCODER_DIR, STATE_FILE,  # deferred: torch
+    from mtbert.run.training_state import (ENCODER_DIR, STATE_FILE,  # deferred: torch
                                        TRAINING_STATE_FILES)
     if location.exp_uri:
         fs, root = filesystem(location.exp_uri)

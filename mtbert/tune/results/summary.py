@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mtbert.metrics import scalar_metrics
+from mtbert.run.metrics import scalar_metrics
 from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_label
 from mtbert.tune.results.records import TrialRecord, TrialStatus
 from mtbert.tune.trial.trial_config import trial_config_values
@@ -393,7 +393,7 @@ def _markdown(s: SearchSummary) -> str:
             lines += [f"- {k}: {v:.3f}" for k, v in values.items()]
     if s.models:
         lines += ["", f"Weights kept (`--keep-checkpoints {s.keep_checkpoints}`; load with "
-                  "`mtbert.model_files.load_model(FOLDER)`): "
+                  "`mtbert.run.model_files.load_model(FOLDER)`): "
                   + ", ".join(f"{tid} in `{path}`" for tid, path in s.models.items()) + "."]
     elif s.keep_checkpoints == "none":
         lines += ["", "No weights kept (`--keep-checkpoints none`)."]

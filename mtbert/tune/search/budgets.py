@@ -10,7 +10,7 @@ the small budgets of a CPU an evaluation costs as much as a tenth of the trainin
 ``smoke`` evaluates at a fixed interval so tests see several reports per trial.
 
 Every trial trains under the warm-up-stable-decay LR schedule (``lr_schedule=wsd``,
-mtbert/lr_schedules.py) with a warm-up of ``warmup_examples`` that ends before the first
+mtbert/techniques/lr_schedules.py) with a warm-up of ``warmup_examples`` that ends before the first
 rung: at every rung but the last the trials are at the same, constant LR -- comparable,
 and a promoted trial continues at the LR it was judged at -- and only a trial that
 reaches ``max_examples`` decays (the last ``decay_ratio`` of its steps).  A space's
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 #: the default search: promoting ASHA (deciding on its ``default_rung_metric``) + Optuna's
 #: independent TPE, what bench/search_efficiency.py ranks first among the pairs it measured

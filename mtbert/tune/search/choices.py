@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Sequence
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search import schedulers  # noqa: F401  (importing it registers every scheduler)
 # the registry's tables and defaults: read them from here, where every choice is registered
 from mtbert.tune.search.choice import (BOHB_EXTRA, DEFAULT_SCHEDULER,  # noqa: F401

@@ -11,7 +11,7 @@ A space file (``search_spaces/NAME.yaml``)::
       batch_size:  {choice: [8, 16, 32]}            # one of the listed values
       pcgrad:      true                             # fixed value (or {fixed: true})
 
-Every key must be a :class:`~mtbert.config.TrainConfig` field that a trial may change:
+Every key must be a :class:`~mtbert.core.config.TrainConfig` field that a trial may change:
 the data-shaping fields (model, data folder, max length, slices, validation split,
 cache) are fixed per search because the driver tokenises the data once and shares
 it through Ray's object store, and the run-length fields belong to ``--budget``.
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 
-from mtbert.config import (DATA_PER_SEARCH, RUN_PER_SEARCH, TrainConfig, check_value,
+from mtbert.core.config import (DATA_PER_SEARCH, RUN_PER_SEARCH, TrainConfig, check_value,
                            coerce_value, field_kind, field_range, read_yaml_file)
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 DISTRIBUTIONS = ("choice", "uniform", "quniform", "loguniform", "randint", "fixed")
 SPACE_KEYS = ("description", "params")
@@ -224,7 +224,7 @@ def parse_space(doc: Any, path: str | Path) -> SearchSpace:
 def _parse_param(path: Path, key: str, spec: Any) -> Param:
     where = f"{path}: {key}"
     if key not in TrainConfig.field_names():
-        raise SpaceError(f"{where}: unknown trainer config key (see mtbert/config.py)", key=key)
+        raise SpaceError(f"{where}: unknown trainer config key (see mtbert/core/config.py)", key=key)
     if key in DATA_PER_SEARCH:
         raise SpaceError(f"{where}: cannot be searched: it shapes the tokenised data, which is "
                          f"fixed per search (set it with {DATA_PER_SEARCH[key]})", key=key)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Sequence
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search.budgets import Budget
 from mtbert.tune.search.choices import SCHEDULERS, scheduler_choice, searcher_choice
 from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_keys

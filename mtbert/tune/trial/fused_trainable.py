@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 from mtbert.tune.trial.trainable import FAILED_MARKER, TrialFailed, mark_failed
 from mtbert.tune.trial.trained_log import TrainedLog
 from mtbert.tune.trial.trial_config import trial_config

@@ -1,6 +1,6 @@
 """The fused path's trainer (``--fuse on``): one long-lived Ray actor per GPU (one on a
 CPU-only cluster) that trains the trials Tune hands it as fused groups
-(:class:`~mtbert.fused_training.FusedGroup`, one per :func:`~mtbert.fused_training.fuse_key`).
+(:class:`~mtbert.step.fused_training.FusedGroup`, one per :func:`~mtbert.step.fused_training.fuse_key`).
 
 It gets the tokenised data once, when it starts.  A thin Tune trial
 (:mod:`.fused_trainable`) joins with its config (and the checkpoint Tune restores it from),
@@ -15,7 +15,7 @@ trial (the trial's next evaluation writes a new one) and deleted once forwarded.
 One loop thread does all torch work: it builds the joining trials, steps each group's
 trials that are not held, and ends the trials whose thin trial left or stopped polling for
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
-fuse (:func:`~mtbert.fused_training.unfusable`: a compiled or graphed step, an encoder
+fuse (:func:`~mtbert.step.fused_training.unfusable`: a compiled or graphed step, an encoder
 other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
 
 Should the trainer's process die (a crash, ``kill -9``, its GPU lost), Ray restarts the
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtbert.config import PERTURBED, TrainConfig
+from mtbert.core.config import PERTURBED, TrainConfig
 from mtbert.tune.trial.trainable import ray_metrics
 
 #: the trainers' Ray actor names: this prefix and the trainer's number
@@ -95,7 +95,7 @@ class GroupTrainer:
     # ------------------------------------------------------------ the thin trials' calls
     def fit_score(self, cfg_values: dict) -> tuple[int, int]:
         """How well a trial fits here (higher first): a group of its structure, then load."""
-        from mtbert.fused_training import fuse_key  # deferred: torch
+        from mtbert.step.fused_training import fuse_key  # deferred: torch
         key = fuse_key(TrainConfig.from_dict(cfg_values))
         with self.cond:
             running = sum(s.end is None for s in self.seats.values())
@@ -242,17 +242,17 @@ class GroupTrainer:
         the fused trainer) and, on a GPU, the CUDA context."""
         import torch  # deferred: torch
 
-        import mtbert.fused_training  # noqa: F401  (deferred: torch, transformers)
-        import mtbert.trainer  # noqa: F401
+        import mtbert.step.fused_training  # noqa: F401  (deferred: torch, transformers)
+        import mtbert.step.trainer  # noqa: F401
         if self.threads:
             torch.set_num_threads(self.threads)
         if torch.cuda.is_available():
             torch.zeros(1, device="cuda")
 
     def _join(self, seat: Seat) -> None:
-        from mtbert.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
-        from mtbert.trainer import Trainer  # deferred: torch
-        from mtbert.trial_run import TrialRun  # deferred: torch
+        from mtbert.step.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
+        from mtbert.step.trainer import Trainer  # deferred: torch
+        from mtbert.run.trial_run import TrialRun  # deferred: torch
         try:
             alone = unfusable(seat.cfg)
             resume_from = None
@@ -341,7 +341,7 @@ class GroupTrainer:
 
 class AloneGroup:
     """A trial that cannot fuse, stepped by its own engine (a
-    :class:`~mtbert.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
+    :class:`~mtbert.step.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
 
     def __init__(self):
         self.trials: dict[str, Any] = {}
@@ -352,7 +352,7 @@ class AloneGroup:
 
     def step_once(self, ids: list[str]) -> dict[str, Any]:
         """One step of its trial (as Trainer.fit takes it); {id: TrialEnd} once it ends."""
-        from mtbert.fused_training import TrialEnd  # deferred: torch
+        from mtbert.step.fused_training import TrialEnd  # deferred: torch
         (trial_id, trial), = self.trials.items()
         try:
             if not self._started:
@@ -373,7 +373,7 @@ class AloneGroup:
 
 def _how(end) -> dict:
     """A group's TrialEnd as the thin trial reads it."""
-    from mtbert.trial_run import NonFiniteLossError  # deferred: torch
+    from mtbert.run.trial_run import NonFiniteLossError  # deferred: torch
     if end.reason == "failed":
         error = end.error
         if isinstance(error, NonFiniteLossError):

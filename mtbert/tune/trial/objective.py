@@ -5,7 +5,7 @@ summary, MLflow) read the same names from here."""
 
 from __future__ import annotations
 
-from mtbert.errors import ConfigError
+from mtbert.core.errors import ConfigError
 
 #: what the search maximises: the overall score on the validation split carved from train
 OBJECTIVE = "val/overall"

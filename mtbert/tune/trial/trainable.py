@@ -1,4 +1,4 @@
-"""The Ray Tune function trainable: one trial = one :class:`~mtbert.trainer.Trainer` run.
+"""The Ray Tune function trainable: one trial = one :class:`~mtbert.step.trainer.Trainer` run.
 
 ``tune.with_parameters(train_trial, data=..., base=...)`` puts the tokenised
 :class:`~mtbert.data.MultitaskData` into Ray's object store once; every trial gets it
@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtbert.config import PERTURBED
-from mtbert.errors import ConfigError
-from mtbert.metrics import scalar_metrics
+from mtbert.core.config import PERTURBED
+from mtbert.core.errors import ConfigError
+from mtbert.run.metrics import scalar_metrics
 from mtbert.tune.trial import work_folders, worker_exit
 from mtbert.tune.trial.objective import BEST_OBJECTIVE, OBJECTIVE, RUN_KEYS
 from mtbert.tune.trial.thread_share import thread_share
@@ -112,7 +112,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
         mark_failed(marker, str(exc))
         raise
     except Exception as exc:
-        from mtbert.trainer import NonFiniteLossError  # deferred: torch
+        from mtbert.step.trainer import NonFiniteLossError  # deferred: torch
         if isinstance(exc, NonFiniteLossError):
             mark_failed(marker, f"non-finite loss: {exc}")
             raise TrialFailed(f"non-finite loss: {exc}") from None
@@ -227,7 +227,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
 
     import transformers
 
-    from mtbert.trainer import Trainer  # deferred: torch, transformers
+    from mtbert.step.trainer import Trainer  # deferred: torch, transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtbert.config import TrainConfig
-from mtbert.errors import ConfigError
+from mtbert.core.config import TrainConfig
+from mtbert.core.errors import ConfigError
 
 
 def trial_config(base: dict[str, Any], sampled: dict[str, Any]) -> TrainConfig:

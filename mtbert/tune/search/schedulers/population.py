@@ -1,12 +1,12 @@
 """What PBT and PB2 share: the population is Ray's random search's trials, perturbed in the
-keys of :data:`~mtbert.config.PERTURBED` the space samples."""
+keys of :data:`~mtbert.core.config.PERTURBED` the space samples."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mtbert.config import PERTURBED
-from mtbert.errors import ConfigError
+from mtbert.core.config import PERTURBED
+from mtbert.core.errors import ConfigError
 from mtbert.tune.search.budgets import Budget
 from mtbert.tune.search.schedulers.base import SchedulerChoice
 
@@ -23,7 +23,7 @@ class Population(SchedulerChoice):
         self.mutations(space)
 
     def mutations(self, space) -> dict[str, Any]:
-        """What it perturbs: each of :data:`~mtbert.config.PERTURBED` the space samples,
+        """What it perturbs: each of :data:`~mtbert.core.config.PERTURBED` the space samples,
         over the space's own values; ConfigError where there is none."""
         out = self._mutations(space)
         if not out:

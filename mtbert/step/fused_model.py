@@ -1,0 +1,211 @@
+"""N trials of one structure as one model: their weights stacked on a leading trial axis.
+
+HFTA's idea (Wang et al., MLSys 2021): trials that share an architecture train as one
+model whose layers hold a trial dimension, so each kernel serves all N trials.  Here the
+fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.MultitaskModel` s, each
+built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tensor per
+parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.batch_loss`,
+the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
+the batch.  What the batching rules make of it: a linear layer is one batched matmul
+for all N, embeddings gather from the stacked tables and LayerNorm scales by each
+trial's own gains, and attention folds the trial axis into its batch: on CUDA SDPA's
+kernels have batching rules that do so; on the CPU, whose SDPA kernel has none in torch
+2.13, the skeleton's attention is :mod:`mtbert.fused_attention`'s (the same arithmetic in
+ops that batch).  One
+``backward`` of the sum of the trials' losses gives each trial its own gradient in its
+slice (the trials share no weight, so no gradient crosses between slices).
+
+Per-trial values read as tensors with the trial axis: the dropout rate
+(:class:`TrialDropout`, a buffer of each ``dropout``-governed dropout) here; the learning
+rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
+:mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
+through :meth:`FusedModel.map`).
+
+Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
+trial's slice of the mask is drawn apart, from the process's one generator), so trials
+get different masks, and a trial's masks differ from the ones its solo run draws.  With
+dropout 0 nothing random is drawn into a trial's numbers and a fused trial trains as its
+solo run to rounding (``tests/test_fused.py``).
+
+Batches: the trials' batches of a task are padded to one shape (the longest row and the
+most rows across trials; filler rows hold one attended pad token and weigh 0 in the loss,
+``ROW_WEIGHTS``), so fusing changes padding only, never which rows a trial sees or when.
+A trial with no batch of that task in the step gets a batch of filler rows only, and its
+loss is multiplied by 0 (``present``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from mtbert.data import ROW_WEIGHTS
+from mtbert.model.dropout_rate import governed_dropouts
+from mtbert.model.fused_attention import use_batched_attention
+from mtbert.techniques.losses import batch_loss, penalised_parameters
+
+#: the encoders the fused step is built and checked for (``config.model_type``)
+FUSABLE_MODEL_TYPES = ("bert",)
+
+
+class TrialDropout(nn.Module):
+    """Inverted dropout at the rate in the buffer ``rate`` (0-d per trial under ``vmap``;
+    not saved: a fused model's skeleton holds it, a trial's own model never does).  When
+    every trial has the same rate (``shared``, e.g. trials that differ in seed) it is
+    ``F.dropout`` at that number, whose kernel draws its mask faster than the rate tensor's
+    uniform numbers and comparison (on one CPU thread 0.25 of MiniLM's 2.3 s fused step
+    of two trials went to those)."""
+
+    def __init__(self, shared: float | None = None):
+        super().__init__()
+        self.register_buffer("rate", torch.zeros(()), persistent=False)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        if self.shared is not None:
+            return F.dropout(x, self.shared, training=True)
+        keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= self.rate
+        return (x * (keep / (1.0 - self.rate))).to(x.dtype)
+
+
+class _EmbedInputs(nn.Module):
+    """``model.embed_inputs`` as a module's forward (what ``functional_call`` calls)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, task: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.model.embed_inputs(task, batch)
+
+
+class _Bound:
+    """The skeleton called with one trial's weights (inside ``vmap``): ``model(task, batch)``
+    as :func:`mtbert.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
+
+    def __init__(self, skeleton: nn.Module, tensors: dict[str, torch.Tensor]):
+        self.skeleton, self.tensors = skeleton, tensors
+
+    def __call__(self, task: str, batch: dict[str, torch.Tensor],
+                 embeds: dict[str, torch.Tensor] | None = None):
+        return functional_call(self.skeleton, self.tensors, (task, batch), {"embeds": embeds})
+
+    def embed_inputs(self, task: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = {f"model.{k}": v for k, v in self.tensors.items()}
+        return functional_call(_EmbedInputs(self.skeleton), tensors, (task, batch))
+
+
+class FusedModel:
+    """The stacked weights of N trials' models and their fused loss.
+
+    ``params``: name -> a leaf ``[N, ...]`` tensor (requires grad; what the fused optimizer
+    updates); ``buffers``: name -> ``[N, ...]`` (the dropout rates among them).  After
+    :meth:`bind` each trial model's parameters are views of their slices, so the trial's
+    own evaluation, checkpoints and predictions read the fused weights as they train."""
+
+    def __init__(self, models: list[nn.Module], dropouts: list[float], built_rate: float):
+        """``dropouts``: each trial's rate; ``built_rate``: the ``dropout`` the models were
+        built with (which finds the dropouts the setting governs)."""
+        self.n = len(models)
+        self.skeleton = copy.deepcopy(models[0])
+        device = next(iter(models[0].parameters())).device
+        use_batched_attention(self.skeleton, device)
+        rate_names = []
+        shared = dropouts[0] if len(set(dropouts)) == 1 else None
+        for parent, name in governed_dropouts(self.skeleton, built_rate):
+            setattr(parent, name, TrialDropout(shared))
+        for name, module in self.skeleton.named_modules():
+            if isinstance(module, TrialDropout):
+                rate_names.append(f"{name}.rate" if name else "rate")
+        self.skeleton.to("meta")
+        self.skeleton.train()
+        named = [dict(m.named_parameters()) for m in models]
+        self.params = {k: torch.stack([p[k].detach() for p in named]).requires_grad_(True)
+                       for k, _ in models[0].named_parameters()}
+        buffers = [dict(m.named_buffers()) for m in models]
+        self.buffers = {k: torch.stack([b[k] for b in buffers])
+                        for k, _ in models[0].named_buffers()}
+        rates = torch.tensor(dropouts, dtype=torch.float32, device=device)
+        self.buffers.update({name: rates for name in rate_names})
+        skeleton_params = dict(self.skeleton.named_parameters())
+        penalised = {id(p) for p in penalised_parameters(self.skeleton)}
+        #: the names :func:`mtbert.losses.penalised_parameters` picks (the L1/L2 penalty's)
+        self.penalised = [k for k, p in skeleton_params.items() if id(p) in penalised]
+
+    def bind(self, models: list[nn.Module]) -> None:
+        """Make each trial model's parameters views of its slice of the stacked ones."""
+        for n, model in enumerate(models):
+            for name, p in model.named_parameters():
+                p.data = self.params[name].detach()[n]
+
+    def map(self, fn, batch: dict[str, torch.Tensor], *args,
+            tensors: dict[str, torch.Tensor] | None = None):
+        """``fn(model, trial_batch, *trial_args)`` of every trial at once, ``model`` the
+        skeleton with the trial's weights: ``vmap``-ed over the trial axis of the weights
+        (``tensors`` stand in for some of them, e.g. SMART's teacher), ``batch`` and ``args``."""
+        stacked = {**self.params, **self.buffers, **(tensors or {})}
+
+        def one(trial_tensors, trial_batch, *trial_args):
+            return fn(_Bound(self.skeleton, trial_tensors), trial_batch, *trial_args)
+
+        return vmap(one, randomness="different")(stacked, batch, *args)
+
+    def task_losses(self, task: str, batch: dict[str, torch.Tensor], cfg) -> torch.Tensor:
+        """Each trial's loss on its slice of the stacked ``batch`` (every tensor ``[N, ...]``):
+        ``[N]``.  ``cfg``: any of the trials' (the loss settings are structure)."""
+        return self.map(lambda model, b: batch_loss(model, task, b, cfg), batch)
+
+    def penalty(self, l1: float, l2: float) -> torch.Tensor | None:
+        """The L1/L2 weight penalty of each trial (``[N]``), as
+        :meth:`mtbert.losses.LossCombiner.penalty` gives one model's; None when both are 0."""
+        if not (l1 or l2) or not self.penalised:
+            return None
+        total = 0.0
+        for name in self.penalised:
+            p = self.params[name].flatten(1)
+            if l1:
+                total = total + l1 * p.abs().sum(1)
+            if l2:
+                total = total + l2 * p.pow(2).sum(1)
+        return total
+
+
+def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """One ``[N, rows, width]`` batch from N trials' host batches of one task (None: the
+    trial has no batch of it this step).  Every tensor is padded to the most rows and each
+    2-D one to its longest width across trials: ids with ``pad_id``, masks and token types
+    with 0; a filler row holds one attended pad token, label 0 and row weight 0.  Packed in
+    NumPy on the host (as a collate packs rows): no torch op a trial, one tensor a key."""
+    real = [b for b in batches if b is not None]
+    n, rows = len(batches), max(len(b["labels"]) for b in real)
+    keys = [k for k in real[0] if k != ROW_WEIGHTS]
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        like = real[0][k]
+        width = max(b[k].shape[1] for b in real) if like.ndim == 2 else None
+        shape = (n, rows) if width is None else (n, rows, width)
+        fill = pad_id if k.startswith("input_ids") else 0
+        packed = np.full(shape, fill, dtype=like.numpy().dtype)
+        for i, b in enumerate(batches):
+            have = 0 if b is None else len(b["labels"])
+            if b is not None:
+                value = b[k].numpy()
+                packed[(i, slice(0, have)) + tuple(slice(0, s) for s in value.shape[1:])] = value
+            if k.startswith("attention_mask"):
+                packed[i, have:, 0] = 1  # filler rows: one attended token (finite attention)
+        out[k] = torch.from_numpy(packed)
+    weights = np.zeros((n, rows), dtype=np.float32)
+    for i, b in enumerate(batches):
+        if b is not None:
+            have = len(b["labels"])
+            weights[i, :have] = b[ROW_WEIGHTS].numpy() if ROW_WEIGHTS in b else 1.0
+    out[ROW_WEIGHTS] = torch.from_numpy(weights)
+    return out

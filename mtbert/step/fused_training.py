@@ -1,0 +1,502 @@
+"""Train N configurations at once: those of one structure fused into one model.
+
+:func:`train_fused` groups the configurations by :func:`fuse_key` (what the fused step is
+built from: the model and its heads, the pair encoding, the losses and the gradient
+combiner, each task's batch size, the data); each group of two or more that can fuse
+trains as one :class:`FusedGroup`, every other configuration alone with the
+:class:`~mtbert.trainer.Trainer` (:func:`unfusable` says why, in one line).
+
+Each trial of a group is a :class:`~mtbert.trial_run.TrialRun` built as its solo run
+builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
+optimizer), so each keeps everything a solo run has: its batches in its order, its
+evaluations, history, checkpoints, reports and predictions, in its own folder (the files
+of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
+:class:`FusedStep`, the group's step engine (:mod:`mtbert.step_engine`), stacks the
+trials' models (:mod:`mtbert.fused_model`; each trial model's parameters become views of
+its slice) and trains them all in one step, with a per-trial AdamW
+(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.  A
+group of one trial skips the trial axis: :class:`GroupOfOneStep` steps it with its solo
+run's eager step (the solo run's ops, draws and arithmetic).
+
+Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
+train different tasks in the same step: the fused step runs every task in the union;
+a trial without that task gets filler rows, its loss is multiplied by 0 and its update
+masked out where its own tasks did not reach (``TrialAdamW``).
+
+Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joins
+(``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
+where it stands, to resume from).  A trial that reaches its end, diverges (a non-finite
+loss, found at its next check) or fails in its own part (its batches, evaluation, report)
+leaves alone.  A leaving trial's weights and moments become its own tensors again, and the
+group re-forms at its next step: the trials still there are stacked anew.  The others
+train on as without the event: the trials share no weight, so a trial's slice of the step
+(its gradient, its clipping norm, its update) depends on its own weights and batches only
+-- a NaN stays in its slice -- and only the padding changes, which moves the sums by
+rounding at most (``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A
+joining trial's construction re-seeds torch's generator (as a solo run's does; a resume
+sets it to the checkpoint's): with dropout on, the others' masks are drawn on from there.
+An error in the shared step itself ends the group.
+
+Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
+weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
+trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
+β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
+stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
+its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
+task, the projection batched over the trials) are drawn from it, as its solo run draws
+them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
+fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
+on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable
+
+import torch
+
+from mtbert.run import graph_reuse
+from mtbert.core.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
+from mtbert.data import MultitaskData, SharedBuckets
+from mtbert.core.devices import to_device
+from mtbert.step.fused_adamw import STATE_KEYS, TrialAdamW
+from mtbert.step.fused_gradients import FusedPCGrad
+from mtbert.step.fused_losses import FusedLossWeighting, combiner_parameters
+from mtbert.step.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
+from mtbert.step.fused_smart import FusedSmart, TrialStreams
+from mtbert.core.pretrained import load_model_config
+from mtbert.step.step_engine import EagerStep
+from mtbert.step.step_graphs import reached_parameters
+from mtbert.core.tasks import TASK_NAMES
+from mtbert.step.trainer import Trainer
+from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
+
+
+def fuse_key(cfg: TrainConfig) -> tuple:
+    """Trials with equal keys train as one fused model: the step's structure
+    (:func:`mtbert.graph_reuse.structure`, less :data:`~mtbert.config.FUSED_PER_TRIAL`: the
+    fixed loss weights), each task's batch size and the settings that shape the data (one
+    ``MultitaskData`` serves the group: :data:`~mtbert.config.DATA_PER_SEARCH`)."""
+    structure = tuple(item for item in graph_reuse.structure(cfg)
+                      if item[0] not in FUSED_PER_TRIAL)
+    data = tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k in DATA_PER_SEARCH))
+    return structure + (("task_batch_sizes", tuple(cfg.task_batch_size(t) for t in TASK_NAMES)),
+                        ("data", data))
+
+
+def unfusable(cfg: TrainConfig) -> str | None:
+    """Why ``cfg`` trains alone (one line), or None when it can fuse."""
+    if cfg.compile != "none":
+        return f"compile={cfg.compile}: torch.compile of the fused step is not built"
+    if cfg.step_mode == "graphs":
+        return "step_mode=graphs: the fused step runs eagerly (no fused CUDA graphs yet)"
+    model_type = getattr(load_model_config(cfg.model), "model_type", None)
+    if model_type not in FUSABLE_MODEL_TYPES:
+        return (f"model_type {model_type!r}: the fused step is built for "
+                f"{', '.join(FUSABLE_MODEL_TYPES)} encoders")
+    return None
+
+
+def plan_groups(cfgs: list[TrainConfig]) -> list[tuple[list[int], str | None]]:
+    """(indices of the configurations, why they train alone or None) per group, in the
+    order of their first configuration: a fusable structure's configurations together, an
+    unfusable one's each alone."""
+    groups: dict[tuple, list[int]] = {}
+    reasons: dict[int, str] = {}
+    for i, cfg in enumerate(cfgs):
+        reason = unfusable(cfg)
+        if reason is not None:
+            reasons[i] = reason
+            groups[("alone", i)] = [i]
+        else:
+            groups.setdefault(fuse_key(cfg), []).append(i)
+    return [(members, reasons.get(members[0])) for members in groups.values()]
+
+
+def eager(cfg: TrainConfig) -> TrainConfig:
+    """The trial's config as its fused run trains it: the step is eager."""
+    return cfg if cfg.step_mode == "eager" else cfg.replace(step_mode="eager")
+
+
+class FusedStep:
+    """The fused step engine (:mod:`mtbert.step_engine`) of N trials of one structure: their
+    models stacked (:class:`~mtbert.fused_model.FusedModel`; each trial model's parameters
+    become views of its slice) and one per-trial AdamW (:class:`TrialAdamW`) whose moments
+    each trial's own optimizer holds as views too, so that each trial's evaluation,
+    checkpoint and predictions read the fused state.  Built from the trials' state as it
+    is (fresh, resumed, or views of an earlier engine's, which this one copies);
+    :func:`own_tensors` gives a leaving trial its own tensors back.  ``streams``: the
+    trials' random streams."""
+
+    def __init__(self, trials: list[TrialRun], streams: TrialStreams):
+        self.trials = list(trials)
+        self.slot = {trial: n for n, trial in enumerate(self.trials)}
+        first = self.trials[0]
+        self.cfg, self.device, self.n = first.cfg, first.device, len(self.trials)
+        self.pad_id = first.data.pad_id
+        models = [t.model for t in self.trials]
+        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
+        self.fused.bind(models)
+        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
+                                 self.trials, self.cfg)
+                      if first.regulariser is not None else None)
+        shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
+        self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
+                                    self.fused.skeleton.named_parameters() if id(p) in shared],
+                                   streams, self.trials)
+                       if self.cfg.pcgrad else None)
+        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trials],
+                                            self.device)
+        #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
+        self.trained = {**self.fused.params, **self.weighting.params}
+        self._build_optimizer()
+        self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
+        self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._pattern_cache: dict[tuple, dict] = {}
+        self.timings = {"steps": 0, "step_s": 0.0}
+
+    def _build_optimizer(self) -> None:
+        """The per-trial AdamW over the stacked parameters, its groups those of the trials'
+        own optimizers (named alike in every trial); each trial's optimizer then holds views
+        of its slices of the moments and step counts (the state it held is taken in first)."""
+        def trial_parameters(trial):
+            return {**dict(trial.model.named_parameters()),
+                    **combiner_parameters(trial.loss_combiner)}
+
+        first = self.trials[0]
+        ids = {id(p): name for name, p in trial_parameters(first).items()}
+        group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
+                    for p in group["params"] if id(p) in ids}
+        if len(group_of) != len(self.trained):
+            raise ValueError("a fused trial's optimizer holds parameters outside its model "
+                             "and loss weighting")
+        self.group_of = group_of
+        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
+        # per-trial values the update reads, on the device: [G, N] rates, [N] clip norms
+        self.weight_decays = torch.tensor(self._per_group("weight_decay"), dtype=torch.float64,
+                                          device=self.device)
+        self.lrs = torch.zeros_like(self.weight_decays)
+        self.max_norms = torch.tensor([float(t.cfg.max_grad_norm) for t in self.trials],
+                                      dtype=torch.float64, device=self.device)
+        for n, trial in enumerate(self.trials):
+            own = trial_parameters(trial)
+            for name, state in self.optimizer.state.items():
+                held = trial.optimizer.state.get(own[name])
+                if held:  # resumed, or from an earlier engine: its state goes in
+                    for key in STATE_KEYS:
+                        state[key][n].copy_(held[key])
+                trial.optimizer.state[own[name]] = {key: state[key][n] for key in STATE_KEYS}
+        for trial in self.trials:
+            # its LR schedule steps while its own optimizer never does (the fused one steps
+            # for it): torch's warning about that order does not apply
+            trial.optimizer._opt_called = True
+
+    def _per_group(self, key: str) -> list[list[float]]:
+        """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
+        schedule writes ``lr`` there before every step)."""
+        return [[float(t.optimizer.param_groups[g][key]) for t in self.trials]
+                for g in range(len(self.trials[0].optimizer.param_groups))]
+
+    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        """One fused optimizer step: each trial in ``batches`` trains on its host batches
+        ({task: batch}); the others do not move.  Each stepping trial's task losses."""
+        started = time.perf_counter()
+        stepping = {self.slot[t]: b for t, b in batches.items()}
+        tasks = [t for t in TASK_NAMES if any(t in b for b in stepping.values())]
+        pattern = self._pattern(stepping)
+        present, stepping_mask = pattern["present"], pattern["stepping"]
+        losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
+        if self.smart is not None:
+            self.smart.draw_noise(stepping)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.trials[0].autocast):
+            for task in tasks:
+                host = stack_batches([stepping.get(n, {}).get(task) for n in range(self.n)],
+                                     self.pad_id)
+                host = to_device(host, self.device)
+                per_trial = (self.smart.task_losses(task, host) if self.smart is not None
+                             else self.fused.task_losses(task, host, self.cfg))
+                if task not in self.reach:
+                    reached = reached_parameters(per_trial)
+                    self.reach[task] = ({k for k, p in self.fused.params.items()
+                                         if id(p) in reached} | self.weighting.reached(task))
+                losses[task] = per_trial
+                weighted = self.weighting.weighted(task, per_trial)
+                summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
+            penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
+            extra = (None if penalty is None
+                     else (penalty * stepping_mask.to(penalty.dtype)).sum())
+        if self.pcgrad is not None:
+            self.pcgrad.backward(summed, extra, stepping)
+        else:
+            (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
+        masks = self._masks(pattern, penalty is not None)
+        self.optimizer.clip_(self.max_norms, masks)
+        # each trial's LR schedule wrote its rates into its own optimizer: one copy in
+        self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
+        self.optimizer.step(self.lrs, self.weight_decays, masks)
+        if self.smart is not None:
+            self.smart.after_step(stepping_mask)
+        # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
+        # views of them too); which slices step is the masks' business
+        torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
+        self.timings["steps"] += 1
+        self.timings["step_s"] += time.perf_counter() - started
+        return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
+                for trial, trial_batches in batches.items()}
+
+    def _pattern(self, stepping: dict[int, dict]) -> dict:
+        """Which trials step which tasks, as device tensors made once per pattern (the
+        patterns are few: the schedules' task sets): ``present`` task -> ``[N]`` bool,
+        ``stepping`` ``[N]`` bool, ``key`` the pattern."""
+        key = tuple(frozenset(stepping[n]) if n in stepping else None for n in range(self.n))
+        if key not in self._pattern_cache:
+            self._pattern_cache[key] = {
+                "key": key,
+                "present": {t: torch.tensor([k is not None and t in k for k in key],
+                                            device=self.device) for t in TASK_NAMES},
+                "stepping": torch.tensor([k is not None for k in key], device=self.device)}
+        return self._pattern_cache[key]
+
+    def _masks(self, pattern: dict, penalty: bool) -> dict[str, torch.Tensor]:
+        """name -> ``[N]`` 0/1 on the device: the trials whose step reached the parameter
+        (their own tasks' losses, and the L1/L2 penalty's parameters in every stepping
+        trial); made once per pattern."""
+        key = (penalty, pattern["key"])
+        if key not in self._mask_cache:
+            penalised = set(self.fused.penalised) if penalty else set()
+            reached = [set().union(*(self.reach[t] for t in tasks)) | penalised
+                       if tasks is not None else set() for tasks in pattern["key"]]
+            self._mask_cache[key] = {
+                name: torch.tensor([float(name in reached[n]) for n in range(self.n)],
+                                   device=self.device) for name in self.trained}
+        return self._mask_cache[key]
+
+
+class GroupOfOneStep:
+    """The engine of a group of one trial: its solo run's eager step
+    (:class:`~mtbert.step_engine.EagerStep`: N = 1 skips the trial axis, as HFTA's B = 0 is
+    the plain module), on its own random stream, its tensors its own (copies of its slices
+    of the fused engine it leaves, if any): the same ops, draws and arithmetic as the solo
+    run.  A trial that joins re-forms the group into a :class:`FusedStep`, which takes this
+    trial's state in as it is."""
+
+    def __init__(self, trial: TrialRun, streams: TrialStreams):
+        own_tensors(trial)
+        self.trial, self.streams = trial, streams
+        self.eager = EagerStep(trial)
+
+    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        with self.streams.of(self.trial):
+            return self.eager.step(batches)
+
+
+def own_tensors(trial: TrialRun) -> None:
+    """``trial``'s model weights, loss weights, SMART teacher and optimizer state become
+    tensors of its own (copies of its slices of a :class:`FusedStep`'s), which no engine
+    steps."""
+    with torch.no_grad():
+        for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
+            p.data = p.data.clone()
+    if trial.regulariser is not None and trial.regulariser.teacher is not None:
+        trial.regulariser.teacher = {k: t.clone() for k, t in trial.regulariser.teacher.items()}
+    for p, state in trial.optimizer.state.items():
+        trial.optimizer.state[p] = {k: v.clone() for k, v in state.items()}
+
+
+@dataclass
+class TrialEnd:
+    """How a trial left its group: ``finished`` (its final metrics), ``failed`` (the error
+    that ended it: a non-finite loss, an error in its own evaluation or report),
+    ``stopped`` (by its ``stop_requested`` or report -- ``error`` the SystemExit -- or by
+    :meth:`FusedGroup.remove`), ``paused`` (the checkpoint it resumes from)."""
+    reason: str
+    metrics: dict | None = None
+    error: BaseException | None = None
+    checkpoint: Path | None = None
+
+    @property
+    def result(self) -> dict | BaseException | "TrialEnd":
+        """What :meth:`FusedGroup.fit` returns for it: the final metrics, the error, or
+        this record (stopped or paused by the group's owner)."""
+        if self.metrics is not None:
+            return self.metrics
+        return self.error if self.error is not None else self
+
+
+class FusedGroup:
+    """Trials of one structure trained together, one :class:`FusedStep` for all (see the
+    module doc).  Step-driven: :meth:`step_once` / :meth:`run_steps` step every trial in
+    the group once; between steps a trial may join (:meth:`add`), leave (:meth:`remove`)
+    or pause (:meth:`pause`), and the group re-forms at its next step.  A trial that ends
+    -- its end reached, a non-finite loss, an error in its own bookkeeping, a stop -- leaves
+    alone; the others go on as they would without it.  :meth:`fit` runs to the end.
+
+    ``cfgs``, ``out_dirs``: trials built here (ids 0, 1, ...), each as its solo run builds
+    it; ``models``: their initial models (default: built from their seeds);
+    ``trial_options``: passed to every :class:`TrialRun` (``report``, ``checkpoints``)."""
+
+    def __init__(self, cfgs: list[TrainConfig] = (), data: MultitaskData | None = None,
+                 out_dirs: list[str | Path] = (), models: list | None = None,
+                 **trial_options):
+        self.trials: dict[Hashable, TrialRun] = {}  # the trials in the group, in join order
+        self.ended: dict[Hashable, TrialEnd] = {}
+        self.joined: list[Hashable] = []            # every id the group has held, in order
+        self.key: tuple | None = None
+        self.engine: FusedStep | None = None        # None: (re-)formed at the next step
+        self._started: set[Hashable] = set()
+        self.streams = TrialStreams()  # each trial's random stream
+        for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
+            self.add(TrialRun(eager(cfg), data, out, model=None if models is None
+                              else models[i], **trial_options))
+
+    def add(self, trial: TrialRun, trial_id: Hashable | None = None) -> Hashable:
+        """``trial`` (fresh or resumed, built with ``step_mode`` eager) joins at the next
+        step; returns its id (default: the next integer).  Add it right after building it:
+        its random stream starts from torch's state then, as its solo run's does."""
+        key = fuse_key(trial.cfg)
+        if self.key is not None and key != self.key:
+            raise ValueError("a fused group's trials must share one structure (fuse_key)")
+        trial_id = len(self.joined) if trial_id is None else trial_id
+        if trial_id in self.trials or trial_id in self.ended:
+            raise ValueError(f"trial id {trial_id!r} is taken in this group")
+        self.key = key
+        self.trials[trial_id] = trial
+        self.streams.add(trial, trial.device)
+        self.joined.append(trial_id)
+        self._reform()
+        return trial_id
+
+    def remove(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves the group now, as a scheduler stops a trial: the checkpoint it
+        is writing is finished and reported, its tensors become its own; the others go on."""
+        return self._end(trial_id, TrialEnd("stopped"))
+
+    def pause(self, trial_id: Hashable) -> TrialEnd:
+        """``trial_id`` leaves with a checkpoint of where it stands (``checkpoint`` of the
+        returned record): a :class:`TrialRun` built with ``resume_from`` there trains on as
+        it would have, in this group or another, or alone.  Amid a schedule step (several
+        updates under ``update=per_task``) it first takes that step's remaining updates
+        alone (the others do not move); should it end meanwhile, the record says how."""
+        trial = self.trials[trial_id]
+        while trial.mid_schedule_step:
+            ended = self._step([trial_id])
+            if trial_id in ended:
+                return ended[trial_id]
+        try:
+            with self.streams.of(trial):
+                checkpoint = trial.save_checkpoint()
+        except (Exception, SystemExit) as exc:
+            return self._failed(trial_id, exc)
+        return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
+
+    def _reform(self) -> None:
+        """The members changed: the next step builds the engine of the trials then in the
+        group (stacked anew from their slices of this one)."""
+        self.engine = None
+
+    def _end(self, trial_id: Hashable, end: TrialEnd) -> TrialEnd:
+        trial = self.trials.pop(trial_id)
+        if end.reason != "finished":
+            trial.close()
+        self.streams.drop(trial)
+        own_tensors(trial)
+        self._reform()
+        self.ended[trial_id] = end
+        return end
+
+    def _failed(self, trial_id: Hashable, exc: BaseException) -> TrialEnd:
+        reason = "stopped" if isinstance(exc, SystemExit) else "failed"
+        return self._end(trial_id, TrialEnd(reason, error=exc))
+
+    # ------------------------------------------------------------------ training
+    def step_once(self, ids: list[Hashable] | None = None) -> dict[Hashable, TrialEnd]:
+        """One fused step of every trial in the group, or of the trials ``ids`` (the others
+        held: they do not move); after a trial's last step, its finish (final evaluation,
+        predictions, ``metrics.json``).  The trials that ended in it, also in :attr:`ended`."""
+        return self._step(list(self.trials) if ids is None else list(ids))
+
+    def run_steps(self, steps: int) -> dict[Hashable, TrialEnd]:
+        """Up to ``steps`` fused steps (fewer once no trial is left); the trials that ended."""
+        ended: dict[Hashable, TrialEnd] = {}
+        for _ in range(steps):
+            if not self.trials:
+                break
+            ended.update(self.step_once())
+        return ended
+
+    def fit(self) -> list[dict | BaseException | TrialEnd]:
+        """Train every trial to its end; each one's :attr:`TrialEnd.result` in join order:
+        its final metrics (as :meth:`Trainer.fit` returns them) or the error that ended it."""
+        try:
+            while self.trials:
+                self.step_once()
+        finally:
+            for trial in self.trials.values():
+                trial.close()
+        return [self.ended[i].result for i in self.joined if i in self.ended]
+
+    def _step(self, ids: list[Hashable]) -> dict[Hashable, TrialEnd]:
+        """One fused step of the trials ``ids``; an error in one trial's own part (its
+        batches, bookkeeping, evaluation, report) ends that trial alone, an error in the
+        shared step is raised."""
+        ended: dict[Hashable, TrialEnd] = {}
+        batches: dict[Hashable, Batches] = {}
+        buckets = SharedBuckets()  # each task's rows from one length bucket (TaskBatcher)
+        for trial_id in ids:
+            trial = self.trials[trial_id]
+            try:
+                with self.streams.of(trial):  # its own part on its own random stream
+                    if trial_id not in self._started:
+                        self._started.add(trial_id)
+                        trial.start(f"fused ({len(self.trials)} trials)")
+                    update = trial.next_update(buckets)
+                    metrics = trial.finish() if update is None else None
+                if update is None:
+                    ended[trial_id] = self._end(trial_id, TrialEnd("finished", metrics=metrics))
+                else:
+                    batches[trial_id] = update
+            except (Exception, SystemExit) as exc:
+                ended[trial_id] = self._failed(trial_id, exc)
+        if not batches:
+            return ended
+        if self.engine is None:
+            members = list(self.trials.values())
+            self.engine = (FusedStep(members, self.streams) if len(members) > 1
+                           else GroupOfOneStep(members[0], self.streams))
+        losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
+        for trial_id in batches:
+            trial = self.trials[trial_id]
+            try:
+                with self.streams.of(trial):
+                    trial.stepped(losses[trial])
+            except (Exception, SystemExit) as exc:
+                ended[trial_id] = self._failed(trial_id, exc)
+        return ended
+
+
+def train_fused(cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
+                log=print) -> list[dict | BaseException]:
+    """Train every configuration into its folder (``out_dirs[i]``, the files of a solo
+    run): each fusable structure's configurations as one :class:`FusedGroup`, the others
+    alone (the reason logged).  Returns each one's final metrics or the error that stopped
+    it, in the order of ``cfgs``."""
+    results: list[dict | BaseException | None] = [None] * len(cfgs)
+    for members, reason in plan_groups(cfgs):
+        if reason is not None or len(members) == 1:
+            i = members[0]
+            if reason is not None:
+                log(f"[mtbert] {out_dirs[i]}: trains alone: {reason}")
+            try:
+                results[i] = Trainer(cfgs[i], data, out_dirs[i]).fit()
+            except NonFiniteLossError as exc:
+                results[i] = exc
+            continue
+        log(f"[mtbert] {len(members)} trials fused: {', '.join(str(out_dirs[i]) for i in members)}")
+        group = FusedGroup([cfgs[i] for i in members], data, [out_dirs[i] for i in members])
+        for i, result in zip(members, group.fit()):
+            results[i] = result
+    return results

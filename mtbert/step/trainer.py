@@ -1,0 +1,118 @@
+"""One trial trained to its end: a :class:`~mtbert.run.trial_run.TrialRun` and its own step
+engine (:mod:`mtbert.step.step_engine`). No Ray here.
+
+The :class:`Trainer` is the one-trial run the command line (``python -m mtbert.train``)
+and the search's trainable build: the trial's state and bookkeeping are the
+:class:`~mtbert.run.trial_run.TrialRun`'s (data order, schedule, counters, evaluations,
+checkpoints, reports, NaN check); the step is eager (:class:`~mtbert.step.step_engine.EagerStep`)
+or from captured CUDA graphs (``step_mode``, :class:`~mtbert.step.step_graphs.StepGraphs`),
+which a worker keeps for its next trial of the same structure (:mod:`mtbert.run.graph_reuse`).
+Several trials trained at once are :mod:`mtbert.step.fused_training`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from mtbert.run import graph_reuse
+from mtbert.core.config import TrainConfig
+from mtbert.data import MultitaskData, real_rows
+from mtbert.core.devices import resolve_device
+from mtbert.model.model import MultitaskModel
+from mtbert.step.step_engine import EagerStep
+from mtbert.step.step_graphs import StepGraphs, eager_reason, graphs_wanted
+from mtbert.run.trial_run import (Batches, NonFiniteLossError, ReportFn, TrialRun,  # noqa: F401
+                              next_eval_point)
+
+
+class Trainer(TrialRun):
+    """One trial stepped by its own engine: eager, or captured CUDA graphs."""
+
+    def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
+                 report: ReportFn | None = None, resume_from: str | Path | None = None,
+                 model: MultitaskModel | None = None, checkpoints: bool = True,
+                 stop_requested: Callable[[], bool] | None = None,
+                 threads_wanted: Callable[[], int] | None = None):
+        """See :class:`~mtbert.run.trial_run.TrialRun` for the arguments."""
+        setup_started = time.perf_counter()
+        graphs = graphs_wanted(cfg, resolve_device(cfg.device))
+        # graphs: what this worker's previous trainer of the same structure captured
+        kept = graph_reuse.take(graph_reuse.structure(cfg)) if graphs and model is None else None
+        super().__init__(cfg, data, out_dir, report=report, resume_from=resume_from,
+                         model=model, checkpoints=checkpoints, stop_requested=stop_requested,
+                         threads_wanted=threads_wanted,
+                         graphs=graphs, kept=kept)
+        self._reusable = model is None  # a caller's own model is not left for another
+        self.eager_step = EagerStep(self)
+        # step_mode=graphs: the step from captured CUDA graphs (after any restore: it takes
+        # the optimizer's param groups as they are then)
+        self.step_graphs = (StepGraphs(self, log=self.log,
+                                       kept=kept.step_graphs if kept is not None else None)
+                            if graphs else None)
+        self.timings["setup_s"] = time.perf_counter() - setup_started
+
+    @property
+    def engine(self):
+        """The step engine: the step graphs where there are any, else the eager step."""
+        return self.step_graphs if self.step_graphs is not None else self.eager_step
+
+    def step_name(self) -> str:
+        if self.step_graphs is not None:
+            return "graphs"
+        reason = eager_reason(self.cfg, self.device)
+        return f"eager ({reason})" if reason else "eager"
+
+    def engine_metrics(self) -> dict:
+        return self.step_graphs.stats.as_metrics() if self.step_graphs is not None else {}
+
+    def leave_for_reuse(self) -> None:
+        """A graphed trainer that ended (budget spent, stopped, diverged) leaves its model
+        and graphs to this process's next trainer (:mod:`mtbert.run.graph_reuse`); it takes no
+        step after this (its step graphs let go of it, so it can be freed)."""
+        if self.step_graphs is not None and self.dropout_rate is not None and self._reusable:
+            self.step_graphs.release()  # this trainer steps no more
+            graph_reuse.keep(graph_reuse.KeptStep(
+                graph_reuse.structure(self.cfg), self.model, self.loss_combiner,
+                self.regulariser, self.dropout_rate, self.step_graphs))
+
+    # ------------------------------------------------------------------ training
+    def fit(self) -> dict:
+        """Train to ``max_examples`` or ``epochs``; returns the final metrics."""
+        try:
+            self.start()
+            while self.train_one_update():
+                pass
+            final = self.finish()
+        except (SystemExit, NonFiniteLossError):  # stopped by the scheduler; diverged
+            self.close()  # a checkpoint being written is finished first
+            self.leave_for_reuse()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self.leave_for_reuse()
+        return final
+
+    def train_one_update(self) -> bool:
+        """One optimizer step by its own engine, with its bookkeeping; False once the run
+        has no step left (then :meth:`finish`)."""
+        batches = self.next_update()
+        if batches is None:
+            return False
+        self.stepped(self.engine.step({self: batches})[self])
+        return True
+
+    def train_batches(self, batches: Batches) -> None:
+        """One schedule step on host ``batches``: one optimizer step on the super-batch
+        (``update=summed``) or one per task batch; no evaluation or other bookkeeping."""
+        for step in self.update_steps(batches):
+            self.count_update(self.engine.step({self: step})[self])
+        self.examples_seen += sum(real_rows(b) for b in batches.values())
+
+    def optimizer_step(self, batches: Batches) -> None:
+        """One eager optimizer step on device ``batches`` ({task: batch}); counts no
+        examples (``train_batches`` does, and takes the graphed step where it runs)."""
+        self.count_update(self.eager_step.train(batches))
+
