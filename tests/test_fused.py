@@ -16,7 +16,7 @@ from mtbert.data import TaskBatcher, collate, encoding_for, load_data
 from mtbert.model.fused_attention import BATCHED_ATTENTION
 from mtbert.step.fused_adamw import TrialAdamW
 from mtbert.step.fused_model import FusedModel, stack_batches
-from mtbert.step.fused_training import FusedGroup, plan_groups, train_fused
+from mtbert.step.fused_training import FusedGroup, fuse_key, plan_groups, train_fused
 from mtbert.run.inference import load_checkpoint_model, predict_split
 from mtbert.techniques.losses import task_loss
 from mtbert.model.model import FOUR_D_MASK, MultitaskModel
@@ -657,3 +657,44 @@ def test_fused_trials_under_bf16_autocast_follow_their_solo_runs_on_the_cpu(quie
     plain_seen = _recording(plain)
     plain.fit()
     assert max(abs(a - b) for (_, a), (_, b) in zip(plain_seen, solo[0][0])) > 1e-4
+
+
+#: structures the other equivalence tests leave out, each with two trials that differ in
+#: what a fused trial keeps its own: LR schedule, lr, clipping, head lr, fixed loss weights
+MORE_STRUCTURES = {
+    "siamese-cosine-cls": (
+        dict(pair_encoding="siamese", sts_head="cosine", sts_loss="cosine_mse", pooling="cls"),
+        [dict(seed=5, lr=1e-3, lr_schedule="linear", max_grad_norm=1.0),
+         dict(seed=6, lr=2e-3, lr_schedule="constant", max_grad_norm=0.5,
+              head_lr_multiplier=5.0, weight_decay=0.01)]),
+    "cross-shared-layer-bins-fixed-summed": (
+        dict(shared_pair_layer=True, sts_loss="ce_bins", loss_weighting="fixed",
+             update="summed"),
+        [dict(seed=7, lr=1e-3, lr_schedule="wsd", w_sst=0.5, w_qqp=2.0, w_sts=1.0),
+         dict(seed=8, lr=3e-3, lr_schedule="linear", w_sst=1.5, w_qqp=0.3, w_sts=0.7,
+              max_grad_norm=0.3)]),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_STRUCTURES))
+def test_more_structures_train_as_their_solo_runs_in_float64(quiet_config, tmp_path, name):
+    """Pair encodings, heads, pooling, STS losses, loss weightings and LR schedules beyond
+    the tests above: each fused trial trains as its solo run (float64, within 1e-8), with
+    length buckets on (the trials start together, so they draw their solo batches)."""
+    common, trials = MORE_STRUCTURES[name]
+    cfgs = [quiet_config(epochs=2, schedule="round_robin", eval_every=10**6,
+                         eval_at_start=False, **common, **trial) for trial in trials]
+    assert len({fuse_key(c) for c in cfgs}) == 1
+    solo, fused = _solo_and_fused(cfgs, tmp_path, torch.float64)
+    losses, metrics = _largest_differences(solo, fused)
+    assert losses <= 1e-8 and metrics <= 1e-8
+
+
+def test_trials_of_other_length_buckets_do_not_fuse(quiet_config):
+    """A fused step's trials share each task's length bucket, so the buckets' cut is part
+    of the structure: trials of another ``bucket_batches`` or without bucketing form
+    groups of their own."""
+    cfgs = [quiet_config(seed=0), quiet_config(seed=1), quiet_config(seed=2, bucket_batches=4),
+            quiet_config(seed=3, length_bucketing=False)]
+    groups = sorted(sorted(indices) for indices, _ in plan_groups(cfgs))
+    assert groups == [[0, 1], [2], [3]]

@@ -78,12 +78,14 @@ from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
 def fuse_key(cfg: TrainConfig) -> tuple:
     """Trials with equal keys train as one fused model: the step's structure
     (:func:`mtbert.graph_reuse.structure`, less :data:`~mtbert.config.FUSED_PER_TRIAL`: the
-    fixed loss weights), each task's batch size and the settings that shape the data (one
-    ``MultitaskData`` serves the group: :data:`~mtbert.config.DATA_PER_SEARCH`)."""
+    fixed loss weights), each task's batch size, the length buckets (a step's trials share
+    one: ``SharedBuckets``) and the settings that shape the data (one ``MultitaskData``
+    serves the group: :data:`~mtbert.config.DATA_PER_SEARCH`)."""
     structure = tuple(item for item in graph_reuse.structure(cfg)
                       if item[0] not in FUSED_PER_TRIAL)
     data = tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k in DATA_PER_SEARCH))
     return structure + (("task_batch_sizes", tuple(cfg.task_batch_size(t) for t in TASK_NAMES)),
+                        ("length_buckets", (cfg.length_bucketing, cfg.bucket_batches)),
                         ("data", data))
 
 
