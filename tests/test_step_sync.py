@@ -1,0 +1,82 @@
+"""What a CUDA graph needs of a step, checked where no GPU is: once a step's caches are
+built, neither the solo eager step nor the fused step reads a value back to the host (an
+``.item()``, ``bool(tensor)``, ``torch.equal`` or ``nonzero``: on a GPU each waits for the
+device and cannot be captured).  Counted with a ``TorchDispatchMode`` over the steady
+steps of a tiny BERT, plain, SMART and PCGrad with uncertainty weighting.
+
+What the fused step still builds from host values each step (not checked here; #58,
+docs/architecture.md): the stacked host batch (data, copied in) and the learning rates
+its trials' LR schedules wrote (one ``[G, N]`` copy)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mtbert.data import load_data
+from mtbert.run.trial_run import TrialRun
+from mtbert.step.fused_training import FusedGroup
+from mtbert.step.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
+
+#: aten ops that copy a device value to the host (a synchronisation on a GPU)
+READ_BACK = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static"}
+
+TECHNIQUES = {
+    "plain": {},
+    "smart": dict(smart_lambda_sst=1.0, smart_lambda_qqp=0.5, smart_lambda_sts=1.0,
+                  smart_mu=1.0),
+    "pcgrad-uncertainty": dict(pcgrad=True, update="summed", loss_weighting="uncertainty"),
+}
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _cfgs(tiny_config, n, **overrides):
+    return [tiny_config(seed=i, lr=1e-3 * (1 + i), schedule="round_robin", batch_size=8,
+                        eval_every=10**6, eval_at_start=False, eval_dev=False,
+                        max_examples=10**5, **overrides) for i in range(n)]
+
+
+def _watched(engine, names: OpNames):
+    step = engine.step
+
+    def watched(batches):
+        with names:
+            return step(batches)
+    engine.step = watched
+
+
+@pytest.mark.parametrize("technique", list(TECHNIQUES))
+def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, technique):
+    cfgs = _cfgs(tiny_config, 2, **TECHNIQUES[technique])
+    data = load_data(cfgs[0])
+    group = FusedGroup()
+    for i, cfg in enumerate(cfgs):
+        group.add(TrialRun(cfg, data, tmp_path / str(i)))
+    group.run_steps(3)  # the engine built, its caches filled
+    fused = OpNames()
+    _watched(group.engine, fused)
+    group.run_steps(3)
+    trainer = Trainer(cfgs[0], data, tmp_path / "solo")
+    trainer.start()
+    for _ in range(3):
+        trainer.train_one_update()
+    solo = OpNames()
+    _watched(trainer.engine, solo)
+    for _ in range(3):
+        trainer.train_one_update()
+    assert sum(fused.counts.values()) > 1000 and sum(solo.counts.values()) > 500
+    assert not READ_BACK & fused.counts.keys(), {k: fused.counts[k] for k in READ_BACK}
+    assert not READ_BACK & solo.counts.keys(), {k: solo.counts[k] for k in READ_BACK}
