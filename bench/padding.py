@@ -30,6 +30,7 @@ from bench.common import REPO, add_data_arguments
 from mtbert.core.config import TrainConfig
 from mtbert.data import SharedBuckets, TaskBatcher, encoding_for, load_data
 from mtbert.core.tasks import TASK_NAMES
+from tools.module_paths import module_folders, rewriter
 
 
 def side_lengths(split, encoding: str) -> list[np.ndarray]:
@@ -48,7 +49,7 @@ def batcher_at(commit: str) -> type:
     source = subprocess.run(["git", "show", f"{commit}:mtbert/data/batching.py"], cwd=REPO,
                             check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"batching_{commit}.py"
-    path.write_text(source)
+    path.write_text(rewriter(module_folders())(source))  # its imports at today's paths
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
