@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n:>6} {'all':>5} {executed_all / real_all:>24.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"arguments": vars(args), "rows": rows}, f, indent=1)
+            arguments = {**vars(args), "data_dir": os.path.relpath(args.data_dir, REPO)}
+            json.dump({"arguments": arguments, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
