@@ -162,20 +162,6 @@ class FusedModel:
         ``[N]``.  ``cfg``: any of the trials' (the loss settings are structure)."""
         return self.map(lambda model, b: batch_loss(model, task, b, cfg), batch)
 
-    def penalty(self, l1: float, l2: float) -> torch.Tensor | None:
-        """The L1/L2 weight penalty of each trial (``[N]``), as
-        :meth:`mtbert.losses.LossCombiner.penalty` gives one model's; None when both are 0."""
-        if not (l1 or l2) or not self.penalised:
-            return None
-        total = 0.0
-        for name in self.penalised:
-            p = self.params[name].flatten(1)
-            if l1:
-                total = total + l1 * p.abs().sum(1)
-            if l2:
-                total = total + l2 * p.pow(2).sum(1)
-        return total
-
 
 def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
                   ) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
-trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
+trained by the fused AdamW (:func:`mtbert.losses.stack_combiners`) --, dropout, SMART's λ_t, ε, μ,
 β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
 stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
 its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
@@ -64,9 +64,9 @@ from mtbert.data import MultitaskData
 from mtbert.devices import to_device
 from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
 from mtbert.fused_gradients import FusedPCGrad
-from mtbert.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
 from mtbert.fused_smart import FusedSmart, TrialStreams
+from mtbert.losses import stack_combiners, weight_penalty
 from mtbert.pretrained import load_model_config
 from mtbert.step_engine import EagerStep
 from mtbert.step_graphs import reached_parameters
@@ -148,10 +148,10 @@ class FusedStep:
                                     self.fused.skeleton.named_parameters() if id(p) in shared],
                                    streams, self.trials)
                        if self.cfg.pcgrad else None)
-        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trials],
-                                            self.device)
+        #: the trials' loss weighting over the trial axis (:func:`mtbert.losses.stack_combiners`)
+        self.weighting = stack_combiners([t.loss_combiner for t in self.trials], self.device)
         #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
-        self.trained = {**self.fused.params, **self.weighting.params}
+        self.trained = {**self.fused.params, **combiner_parameters(self.weighting)}
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -219,14 +219,14 @@ class FusedStep:
                 host = to_device(host, self.device)
                 per_trial = (self.smart.task_losses(task, host) if self.smart is not None
                              else self.fused.task_losses(task, host, self.cfg))
-                if task not in self.reach:
-                    reached = reached_parameters(per_trial)
-                    self.reach[task] = ({k for k, p in self.fused.params.items()
-                                         if id(p) in reached} | self.weighting.reached(task))
                 losses[task] = per_trial
-                weighted = self.weighting.weighted(task, per_trial)
+                weighted = self.weighting.weighted({task: per_trial})[task]
+                if task not in self.reach:
+                    reached = reached_parameters(weighted)
+                    self.reach[task] = {k for k, p in self.trained.items() if id(p) in reached}
                 summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
-            penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
+            penalty = weight_penalty([self.fused.params[k] for k in self.fused.penalised],
+                                     self.weighting.l1, self.weighting.l2, trial_axis=True)
             extra = (None if penalty is None
                      else (penalty * stepping_mask.to(penalty.dtype)).sum())
         if self.pcgrad is not None:
@@ -292,6 +292,16 @@ class GroupOfOneStep:
     def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
         with self.streams.of(self.trial):
             return self.eager.step(batches)
+
+
+#: the prefix of a loss combiner's parameters among a fused step's trained tensors
+LOSS_WEIGHTING = "loss_weighting."
+
+
+def combiner_parameters(combiner: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A loss combiner's parameters (uncertainty's s_t), named as a fused step names them
+    among its trained tensors."""
+    return {LOSS_WEIGHTING + k: p for k, p in combiner.named_parameters()}
 
 
 def own_tensors(trial: TrialRun) -> None:
