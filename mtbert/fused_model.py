@@ -16,7 +16,8 @@ ops that batch).  One
 slice (the trials share no weight, so no gradient crosses between slices).
 
 Per-trial values read as tensors with the trial axis: the dropout rate
-(:class:`TrialDropout`, a buffer of each ``dropout``-governed dropout) here; the learning
+(:class:`~mtbert.dropout_rate.RateDropout` with ``[N]`` rate buffers, the module a solo
+run on CUDA drops with at its 0-d rate) here; the learning
 rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
 :mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
 through :meth:`FusedModel.map`).
@@ -40,39 +41,16 @@ import copy
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
 from mtbert.data import ROW_WEIGHTS
-from mtbert.dropout_rate import governed_dropouts
+from mtbert.dropout_rate import DropoutRate, RateDropout, governed_dropouts
 from mtbert.fused_attention import use_batched_attention
 from mtbert.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
 FUSABLE_MODEL_TYPES = ("bert",)
-
-
-class TrialDropout(nn.Module):
-    """Inverted dropout at the rate in the buffer ``rate`` (0-d per trial under ``vmap``;
-    not saved: a fused model's skeleton holds it, a trial's own model never does).  When
-    every trial has the same rate (``shared``, e.g. trials that differ in seed) it is
-    ``F.dropout`` at that number, whose kernel draws its mask faster than the rate tensor's
-    uniform numbers and comparison (on one CPU thread 0.25 of MiniLM's 2.3 s fused step
-    of two trials went to those)."""
-
-    def __init__(self, shared: float | None = None):
-        super().__init__()
-        self.register_buffer("rate", torch.zeros(()), persistent=False)
-        self.shared = shared
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return x
-        if self.shared is not None:
-            return F.dropout(x, self.shared, training=True)
-        keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= self.rate
-        return (x * (keep / (1.0 - self.rate))).to(x.dtype)
 
 
 class _EmbedInputs(nn.Module):
@@ -117,13 +95,15 @@ class FusedModel:
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
-        rate_names = []
+        # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
+        rates = DropoutRate([float(p) for p in dropouts], device)
         shared = dropouts[0] if len(set(dropouts)) == 1 else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
-            setattr(parent, name, TrialDropout(shared))
-        for name, module in self.skeleton.named_modules():
-            if isinstance(module, TrialDropout):
-                rate_names.append(f"{name}.rate" if name else "rate")
+            setattr(parent, name, RateDropout(rates, number=shared))
+        rate_buffers = {f"{name}.{key}" if name else key: getattr(rates, attr)
+                        for name, module in self.skeleton.named_modules()
+                        if isinstance(module, RateDropout)
+                        for key, attr in (("rate", "p"), ("scale", "scale"))}
         self.skeleton.to("meta")
         self.skeleton.train()
         named = [dict(m.named_parameters()) for m in models]
@@ -131,9 +111,8 @@ class FusedModel:
                        for k, _ in models[0].named_parameters()}
         buffers = [dict(m.named_buffers()) for m in models]
         self.buffers = {k: torch.stack([b[k] for b in buffers])
-                        for k, _ in models[0].named_buffers()}
-        rates = torch.tensor(dropouts, dtype=torch.float32, device=device)
-        self.buffers.update({name: rates for name in rate_names})
+                        for k, _ in models[0].named_buffers() if k not in rate_buffers}
+        self.buffers.update(rate_buffers)
         skeleton_params = dict(self.skeleton.named_parameters())
         penalised = {id(p) for p in penalised_parameters(self.skeleton)}
         #: the names :func:`mtbert.losses.penalised_parameters` picks (the L1/L2 penalty's)
