@@ -42,8 +42,8 @@ weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned
 trained by the fused AdamW (:func:`mtbert.losses.stack_combiners`) --, dropout, SMART's λ_t, ε, μ,
 β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
 stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
-its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
-task, the projection batched over the trials) are drawn from it, as its solo run draws
+its SMART noise and PCGrad task orders (:func:`mtbert.gradients.pcgrad_backward` with a
+trial axis: one backward per task, the projection batched over the trials) are drawn from it, as its solo run draws
 them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
 fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
 on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
@@ -63,9 +63,9 @@ from mtbert.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData
 from mtbert.devices import to_device
 from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
-from mtbert.fused_gradients import FusedPCGrad
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
 from mtbert.fused_smart import FusedSmart, TrialStreams
+from mtbert.gradients import pcgrad_backward, random_orders, trial_orders
 from mtbert.losses import stack_combiners, weight_penalty
 from mtbert.pretrained import load_model_config
 from mtbert.step_engine import EagerStep
@@ -143,11 +143,12 @@ class FusedStep:
         self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
                                  self.trials, self.cfg)
                       if first.regulariser is not None else None)
+        self.streams = streams
         shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
-        self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
-                                    self.fused.skeleton.named_parameters() if id(p) in shared],
-                                   streams, self.trials)
-                       if self.cfg.pcgrad else None)
+        #: the stacked encoder parameters PCGrad projects (None: no PCGrad)
+        self.pcgrad_shared = ([self.fused.params[k] for k, p in
+                               self.fused.skeleton.named_parameters() if id(p) in shared]
+                              if self.cfg.pcgrad else None)
         #: the trials' loss weighting over the trial axis (:func:`mtbert.losses.stack_combiners`)
         self.weighting = stack_combiners([t.loss_combiner for t in self.trials], self.device)
         #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
@@ -229,8 +230,9 @@ class FusedStep:
                                      self.weighting.l1, self.weighting.l2, trial_axis=True)
             extra = (None if penalty is None
                      else (penalty * stepping_mask.to(penalty.dtype)).sum())
-        if self.pcgrad is not None:
-            self.pcgrad.backward(summed, extra, stepping)
+        if self.pcgrad_shared is not None:
+            pcgrad_backward(summed, self.pcgrad_shared, extra,
+                            self._pcgrad_orders(summed, stepping), trials=self.n)
         else:
             (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
         masks = self._masks(pattern, penalty is not None)
@@ -247,6 +249,16 @@ class FusedStep:
         self.timings["step_s"] += time.perf_counter() - started
         return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
                 for trial, trial_batches in batches.items()}
+
+    def _pcgrad_orders(self, summed: dict[str, torch.Tensor], stepping: dict[int, dict]):
+        """Each trial's PCGrad task orders over its own tasks in the step, drawn from its own
+        stream as its solo run draws them (:func:`mtbert.gradients.trial_orders`)."""
+        def draw(n: int, count: int) -> list[list[int]]:
+            with self.streams.of(self.trials[n]):
+                return random_orders(count)
+
+        return trial_orders(list(summed), [list(stepping[n]) if n in stepping else None
+                                           for n in range(self.n)], draw, self.device)
 
     def _pattern(self, stepping: dict[int, dict]) -> dict:
         """Which trials step which tasks, as device tensors made once per pattern (the
