@@ -17,10 +17,10 @@ slice (the trials share no weight, so no gradient crosses between slices).
 
 Per-trial values read as tensors with the trial axis: the dropout rate
 (:class:`~mtbert.dropout_rate.RateDropout` with ``[N]`` rate buffers, the module a solo
-run on CUDA drops with at its 0-d rate) here; the learning
-rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
-:mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
-through :meth:`FusedModel.map`).
+run on CUDA drops with at its 0-d rate) here; the learning rates, weight decay, clipping
+and loss weights in :mod:`mtbert.fused_training`, :mod:`mtbert.fused_adamw` and
+:mod:`mtbert.losses`, SMART's in :class:`mtbert.smart.TrialAxisSmart` (which runs its
+forwards through :meth:`FusedModel.map`).
 
 Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
 trial's slice of the mask is drawn apart, from the process's one generator), so trials

@@ -40,8 +40,9 @@ An error in the shared step itself ends the group.
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
 trained by the fused AdamW (:func:`mtbert.losses.stack_combiners`) --, dropout, SMART's λ_t, ε, μ,
-β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
-stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
+β, noise and ascent step (:class:`mtbert.smart.TrialAxisSmart`).  Each trial has its own
+random stream (:class:`~mtbert.trial_streams.TrialStreams`, from right after its
+construction):
 its SMART noise and PCGrad task orders (:func:`mtbert.gradients.pcgrad_backward` with a
 trial axis: one backward per task, the projection batched over the trials) are drawn from it, as its solo run draws
 them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
@@ -64,14 +65,15 @@ from mtbert.data import MultitaskData
 from mtbert.devices import to_device
 from mtbert.fused_adamw import STATE_KEYS, TrialAdamW
 from mtbert.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
-from mtbert.fused_smart import FusedSmart, TrialStreams
 from mtbert.gradients import pcgrad_backward, random_orders, trial_orders
 from mtbert.losses import stack_combiners, weight_penalty
 from mtbert.pretrained import load_model_config
+from mtbert.smart import TrialAxisSmart
 from mtbert.step_engine import EagerStep
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
+from mtbert.trial_streams import TrialStreams
 from mtbert.trial_run import Batches, NonFiniteLossError, TrialRun
 
 
@@ -140,8 +142,8 @@ class FusedStep:
         models = [t.model for t in self.trials]
         self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
         self.fused.bind(models)
-        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
-                                 self.trials, self.cfg)
+        self.smart = (TrialAxisSmart(self.fused, [t.regulariser for t in self.trials],
+                                     streams, self.trials, self.cfg)
                       if first.regulariser is not None else None)
         self.streams = streams
         shared = {id(p) for p in self.fused.skeleton.shared_parameters()}

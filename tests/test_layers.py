@@ -29,7 +29,7 @@ TRAINER_LAYERS = [
                "mtbert.losses", "mtbert.gradients", "mtbert.smart", "mtbert.task_schedules",
                "mtbert.lr_schedules", "mtbert.metrics", "mtbert.predictions",
                "mtbert.ensemble", "mtbert.dropout_rate", "mtbert.devices",
-               "mtbert.fused_attention", "mtbert.fused_model", "mtbert.fused_adamw", "mtbert.fused_smart"]),
+               "mtbert.fused_attention", "mtbert.fused_model", "mtbert.fused_adamw", "mtbert.trial_streams"]),
     ("loop", ["mtbert.pretrain", "mtbert.step_graphs", "mtbert.graph_reuse",
               "mtbert.training_state", "mtbert.checkpoint",
               "mtbert.model_files", "mtbert.inference", "mtbert.trial_run",
