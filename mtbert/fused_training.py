@@ -39,13 +39,16 @@ An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
-trained by the fused AdamW (:func:`mtbert.losses.stack_combiners`) --, dropout, SMART's λ_t, ε, μ,
-β, noise and ascent step (:class:`mtbert.smart.TrialAxisSmart`).  Each trial has its own
+trained by the fused AdamW (:func:`mtbert.losses.stack_combiners`) --, dropout, SMART's
+λ_t, ε, μ, β, noise and ascent step (:class:`mtbert.smart.TrialAxisSmart`).  Each
+technique is written once, for one trial and over the trial axis (the loss weighting and
+penalty in :mod:`mtbert.losses`, PCGrad in :mod:`mtbert.gradients`, SMART in
+:mod:`mtbert.smart`, dropout in :mod:`mtbert.dropout_rate`).  Each trial has its own
 random stream (:class:`~mtbert.trial_streams.TrialStreams`, from right after its
-construction):
-its SMART noise and PCGrad task orders (:func:`mtbert.gradients.pcgrad_backward` with a
-trial axis: one backward per task, the projection batched over the trials) are drawn from it, as its solo run draws
-them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
+construction): its SMART noise and PCGrad task orders (:func:`mtbert.gradients.pcgrad_backward`
+with a trial axis: one backward per task, the projection batched over the trials) are
+drawn from it, as its solo run draws them from torch's, and its own bookkeeping
+(evaluations, checkpoints) runs on it.  Not
 fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
 on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
 """

@@ -13,7 +13,9 @@ Task losses: SST cross-entropy; QQP binary cross-entropy on the logit; STS by
 A loss combiner turns ``{task: loss}`` into per-task weighted losses (and may own
 parameters) and adds the L1/L2 weight penalty (``loss_weighting``: ``sum``, ``fixed``
 with ``w_sst/w_qqp/w_sts``, or ``uncertainty`` with learned s_i; ``l1_lambda``,
-``l2_lambda``); the gradient combiner (gradients.py) then sets the gradients.
+``l2_lambda``); the gradient combiner (gradients.py) then sets the gradients.  The
+weighting and the penalty are written once for one trial and for N stacked trials (a
+fused step's ``[N]`` losses; :func:`stack_combiners`, :func:`weight_penalty`).
 """
 
 from __future__ import annotations

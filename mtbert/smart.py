@@ -27,6 +27,13 @@ around its own forwards), so R_s is exactly 0 for δ = 0 and D_Breg exactly 0 fo
 The global RNG then continues as if those forwards had not consumed it; only the
 initial noise ν is drawn from it (so checkpoint resume stays exact).
 
+One trial and N.  The ascent (:func:`ascend`), its start (:func:`start_perturbation`), the
+divergences and the teacher's EMA (:func:`teacher_ema_`) are written once, for one
+trial's ``[rows, tokens, hidden]`` embeddings and for N stacked trials'
+``[N, rows, tokens, hidden]`` with each trial's η, ε and β as tensors:
+:class:`SmartRegulariser` runs them for one trial, :class:`TrialAxisSmart` for the trials
+of a fused step (:mod:`mtbert.fused_training`).
+
 Cost.  One SMART step adds an ascent forward + a backward to the embeddings only,
 an adversarial forward + its backward, and (μ > 0) one no-grad teacher forward.
 Memory: the teacher is one detached copy of every trainable parameter of the model
@@ -48,7 +55,7 @@ from torch.func import functional_call, vmap
 
 from mtbert.config import TrainConfig
 from mtbert.data import ROW_WEIGHTS, encoding_for
-from mtbert.losses import task_loss, weighted_mean
+from mtbert.losses import _wide, task_loss, weighted_mean
 from mtbert.model import TaskOutput
 from mtbert.tasks import TASK_NAMES
 from mtbert.trial_streams import _rng_state, _set_rng_state
@@ -57,11 +64,6 @@ _TINY = 1e-12
 
 
 # ---------------------------------------------------------------------- divergences ℓ_s
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """fp32 for low-precision tensors, float64 kept (so tests can run in double)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def symmetric_kl_logits(p_logits: torch.Tensor, q_logits: torch.Tensor,
                         weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over rows of KL(P‖Q) + KL(Q‖P), P = softmax(p), Q = softmax(q) (001 eq. 8).
