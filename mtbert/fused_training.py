@@ -76,8 +76,8 @@ from mtbert.step_engine import EagerStep
 from mtbert.step_graphs import reached_parameters
 from mtbert.tasks import TASK_NAMES
 from mtbert.trainer import Trainer
-from mtbert.trial_streams import TrialStreams
 from mtbert.trial_run import Batches, NonFiniteLossError, TrialRun
+from mtbert.trial_streams import TrialStreams
 
 
 def fuse_key(cfg: TrainConfig) -> tuple:
