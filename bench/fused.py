@@ -31,8 +31,8 @@ Two measurements (``--mode``):
   allocated CUDA memory on a GPU; CPU s / 1000 ex: the processes' CPU time (host threads)
   per 1,000 examples, which a machine shared with other work disturbs less than ex/s.
   ``--smart``: #47's SMART workload instead, batch 16 (unless ``--batch-size``), every
-  task's λ_t = 1 and μ = 1 (``--set`` overrides), fused (:mod:`mtbert.step.fused_smart`) and
-  unfused; its MFU counts the plain forward and backward only, not SMART's extra ones.
+  task's λ_t = 1 and μ = 1 (``--set`` overrides), fused
+  (:class:`mtbert.techniques.smart.TrialAxisSmart`) and unfused; its MFU counts the plain forward and backward only, not SMART's extra ones.
 * ``layer``: one BERT layer of the model alone, forward + backward on ``[N, batch, length]``
   hidden states: the N trials' layers fused (stacked weights, ``vmap``) against the N
   layers called one after another in one process -- what the fused design can reach

@@ -176,16 +176,40 @@ def test_trainer_optimises_the_learned_weights(tiny_config, tmp_path):
 def test_a_combiner_without_a_fused_form_is_refused_not_summed(tiny_config):
     """A loss combiner the fused step does not know (here a subclass weighting in its own
     way) is an error naming it, not a silent plain sum of the tasks (each at weight 1)."""
-    from mtbert.step.fused_losses import FusedLossWeighting
-    from mtbert.techniques.losses import LossCombiner, build_loss_combiner
+    from mtbert.techniques.losses import LossCombiner, build_loss_combiner, stack_combiners
 
     class Halved(LossCombiner):
         def weighted(self, losses):
             return {t: 0.5 * loss for t, loss in losses.items()}
 
     cfg = tiny_config(loss_weighting="fixed", w_sst=2.0)
-    known = FusedLossWeighting([build_loss_combiner(cfg), build_loss_combiner(tiny_config())],
-                               torch.device("cpu"))
-    assert known.fixed["sst"].tolist() == [2.0, 1.0]
+    known = stack_combiners([build_loss_combiner(cfg), build_loss_combiner(tiny_config())],
+                            torch.device("cpu"))
+    assert known.weights["sst"].tolist() == [2.0, 1.0]
     with pytest.raises(ValueError, match="cannot train fused: loss combiner Halved"):
-        FusedLossWeighting([Halved(cfg), Halved(cfg)], torch.device("cpu"))
+        stack_combiners([Halved(cfg), Halved(cfg)], torch.device("cpu"))
+
+
+def test_one_trial_and_a_trial_axis_weigh_alike(tiny_config):
+    """The weighting is written once: each trial's slice of the stacked combiners' weighted
+    ``[N]`` losses is its own combiner's weighted loss (fixed and uncertainty), and the
+    trial-axis penalty each trial's own."""
+    from mtbert.techniques.losses import build_loss_combiner, stack_combiners, weight_penalty
+
+    losses = torch.tensor([0.7, 1.3], dtype=torch.float64)
+    for kind in ("fixed", "uncertainty"):
+        cfgs = [tiny_config(loss_weighting=kind, w_qqp=3.0), tiny_config(loss_weighting=kind)]
+        combiners = [build_loss_combiner(c) for c in cfgs]
+        if kind == "uncertainty":
+            with torch.no_grad():
+                combiners[0].s["qqp"].fill_(0.4)
+                combiners[1].s["qqp"].fill_(-1.5)
+        stacked = stack_combiners(combiners, torch.device("cpu"))
+        together = stacked.weighted({"qqp": losses})["qqp"]
+        for n, combiner in enumerate(combiners):
+            assert together[n].item() == combiner.weighted({"qqp": losses[n]})["qqp"].item()
+    weights = [torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)]
+    per_trial = weight_penalty(weights, 0.1, 0.01, trial_axis=True)
+    for n in range(2):
+        alone = weight_penalty([w[n] for w in weights], 0.1, 0.01)
+        assert per_trial[n].item() == pytest.approx(alone.item(), rel=1e-15)

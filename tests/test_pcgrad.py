@@ -90,6 +90,32 @@ def test_three_tasks_by_hand():
     assert len(seen[0]) == 2 and len(seen[2]) == 2
 
 
+def test_the_trial_axis_projection_is_each_trial_s_own():
+    """One projection for N trials (``[N, D]`` gradients, each trial's orders as ``[N]``
+    tensors, :func:`trial_orders`) gives each trial what the one-trial projection gives it
+    with its own orders, also for a trial that lacks a task in the step."""
+    from mtbert.techniques.gradients import trial_orders
+
+    gen = torch.Generator().manual_seed(3)
+    tasks = ["sst", "qqp", "sts"]
+    trial_tasks = [["sst", "qqp", "sts"], ["sts", "sst"], ["qqp", "sts", "sst"], None]
+    drawn = {0: [[2, 1], [0, 2], [1, 0]], 1: [[1], [0]], 2: [[1, 2], [2, 0], [0, 1]]}
+    grads = [torch.randn(4, 30, generator=gen, dtype=torch.float64) for _ in tasks]
+    for n, own in enumerate(trial_tasks):  # a task a trial does not train: g = 0 there
+        for t, task in enumerate(tasks):
+            if own is None or task not in own:
+                grads[t][n] = 0.0
+    orders = trial_orders(tasks, trial_tasks, lambda n, count: drawn[n], torch.device("cpu"))
+    together = pcgrad(grads, orders)
+    for n, own in enumerate(trial_tasks):
+        if own is None:
+            assert torch.equal(together[n], torch.zeros(30, dtype=torch.float64))
+            continue
+        mine = [grads[tasks.index(t)][n] for t in own]
+        alone = pcgrad(mine, drawn[n])
+        assert torch.allclose(together[n], alone, rtol=1e-14, atol=1e-15), n
+
+
 def test_random_orders_are_permutations_of_the_others():
     torch.manual_seed(0)
     orders = random_orders(4)

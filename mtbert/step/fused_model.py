@@ -2,24 +2,25 @@
 
 HFTA's idea (Wang et al., MLSys 2021): trials that share an architecture train as one
 model whose layers hold a trial dimension, so each kernel serves all N trials.  Here the
-fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.MultitaskModel` s, each
+fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.model.MultitaskModel` s, each
 built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tensor per
-parameter and buffer, and one trial's forward and loss (:func:`mtbert.losses.batch_loss`,
+parameter and buffer, and one trial's forward and loss (:func:`mtbert.techniques.losses.batch_loss`,
 the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
 the batch.  What the batching rules make of it: a linear layer is one batched matmul
 for all N, embeddings gather from the stacked tables and LayerNorm scales by each
 trial's own gains, and attention folds the trial axis into its batch: on CUDA SDPA's
 kernels have batching rules that do so; on the CPU, whose SDPA kernel has none in torch
-2.13, the skeleton's attention is :mod:`mtbert.fused_attention`'s (the same arithmetic in
+2.13, the skeleton's attention is :mod:`mtbert.model.fused_attention`'s (the same arithmetic in
 ops that batch).  One
 ``backward`` of the sum of the trials' losses gives each trial its own gradient in its
 slice (the trials share no weight, so no gradient crosses between slices).
 
 Per-trial values read as tensors with the trial axis: the dropout rate
-(:class:`TrialDropout`, a buffer of each ``dropout``-governed dropout) here; the learning
-rates, weight decay, clipping and loss weights in :mod:`mtbert.fused_training` and
-:mod:`mtbert.fused_adamw`, SMART's in :mod:`mtbert.fused_smart` (which runs its forwards
-through :meth:`FusedModel.map`).
+(:class:`~mtbert.model.dropout_rate.RateDropout` with ``[N]`` rate buffers, the module a solo
+run on CUDA drops with at its 0-d rate) here; the learning rates, weight decay, clipping
+and loss weights in :mod:`mtbert.step.fused_training`, :mod:`mtbert.step.fused_adamw` and
+:mod:`mtbert.techniques.losses`, SMART's in :class:`mtbert.techniques.smart.TrialAxisSmart` (which runs its
+forwards through :meth:`FusedModel.map`).
 
 Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
 trial's slice of the mask is drawn apart, from the process's one generator), so trials
@@ -40,39 +41,16 @@ import copy
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
 from mtbert.data import ROW_WEIGHTS
-from mtbert.model.dropout_rate import governed_dropouts
+from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
 from mtbert.model.fused_attention import use_batched_attention
 from mtbert.techniques.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
 FUSABLE_MODEL_TYPES = ("bert",)
-
-
-class TrialDropout(nn.Module):
-    """Inverted dropout at the rate in the buffer ``rate`` (0-d per trial under ``vmap``;
-    not saved: a fused model's skeleton holds it, a trial's own model never does).  When
-    every trial has the same rate (``shared``, e.g. trials that differ in seed) it is
-    ``F.dropout`` at that number, whose kernel draws its mask faster than the rate tensor's
-    uniform numbers and comparison (on one CPU thread 0.25 of MiniLM's 2.3 s fused step
-    of two trials went to those)."""
-
-    def __init__(self, shared: float | None = None):
-        super().__init__()
-        self.register_buffer("rate", torch.zeros(()), persistent=False)
-        self.shared = shared
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return x
-        if self.shared is not None:
-            return F.dropout(x, self.shared, training=True)
-        keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= self.rate
-        return (x * (keep / (1.0 - self.rate))).to(x.dtype)
 
 
 class _EmbedInputs(nn.Module):
@@ -88,7 +66,7 @@ class _EmbedInputs(nn.Module):
 
 class _Bound:
     """The skeleton called with one trial's weights (inside ``vmap``): ``model(task, batch)``
-    as :func:`mtbert.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
+    as :func:`mtbert.techniques.losses.batch_loss` calls a model, and ``embed_inputs`` as SMART does."""
 
     def __init__(self, skeleton: nn.Module, tensors: dict[str, torch.Tensor]):
         self.skeleton, self.tensors = skeleton, tensors
@@ -117,13 +95,15 @@ class FusedModel:
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
-        rate_names = []
+        # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
+        rates = DropoutRate([float(p) for p in dropouts], device)
         shared = dropouts[0] if len(set(dropouts)) == 1 else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
-            setattr(parent, name, TrialDropout(shared))
-        for name, module in self.skeleton.named_modules():
-            if isinstance(module, TrialDropout):
-                rate_names.append(f"{name}.rate" if name else "rate")
+            setattr(parent, name, RateDropout(rates, number=shared))
+        rate_buffers = {f"{name}.{key}" if name else key: getattr(rates, attr)
+                        for name, module in self.skeleton.named_modules()
+                        if isinstance(module, RateDropout)
+                        for key, attr in (("rate", "p"), ("scale", "scale"))}
         self.skeleton.to("meta")
         self.skeleton.train()
         named = [dict(m.named_parameters()) for m in models]
@@ -131,12 +111,11 @@ class FusedModel:
                        for k, _ in models[0].named_parameters()}
         buffers = [dict(m.named_buffers()) for m in models]
         self.buffers = {k: torch.stack([b[k] for b in buffers])
-                        for k, _ in models[0].named_buffers()}
-        rates = torch.tensor(dropouts, dtype=torch.float32, device=device)
-        self.buffers.update({name: rates for name in rate_names})
+                        for k, _ in models[0].named_buffers() if k not in rate_buffers}
+        self.buffers.update(rate_buffers)
         skeleton_params = dict(self.skeleton.named_parameters())
         penalised = {id(p) for p in penalised_parameters(self.skeleton)}
-        #: the names :func:`mtbert.losses.penalised_parameters` picks (the L1/L2 penalty's)
+        #: the names :func:`mtbert.techniques.losses.penalised_parameters` picks (the L1/L2 penalty's)
         self.penalised = [k for k, p in skeleton_params.items() if id(p) in penalised]
 
     def bind(self, models: list[nn.Module]) -> None:
@@ -161,20 +140,6 @@ class FusedModel:
         """Each trial's loss on its slice of the stacked ``batch`` (every tensor ``[N, ...]``):
         ``[N]``.  ``cfg``: any of the trials' (the loss settings are structure)."""
         return self.map(lambda model, b: batch_loss(model, task, b, cfg), batch)
-
-    def penalty(self, l1: float, l2: float) -> torch.Tensor | None:
-        """The L1/L2 weight penalty of each trial (``[N]``), as
-        :meth:`mtbert.losses.LossCombiner.penalty` gives one model's; None when both are 0."""
-        if not (l1 or l2) or not self.penalised:
-            return None
-        total = 0.0
-        for name in self.penalised:
-            p = self.params[name].flatten(1)
-            if l1:
-                total = total + l1 * p.abs().sum(1)
-            if l2:
-                total = total + l2 * p.pow(2).sum(1)
-        return total
 
 
 def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int

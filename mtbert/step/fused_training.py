@@ -4,17 +4,17 @@
 built from: the model and its heads, the pair encoding, the losses and the gradient
 combiner, each task's batch size, the data); each group of two or more that can fuse
 trains as one :class:`FusedGroup`, every other configuration alone with the
-:class:`~mtbert.trainer.Trainer` (:func:`unfusable` says why, in one line).
+:class:`~mtbert.step.trainer.Trainer` (:func:`unfusable` says why, in one line).
 
-Each trial of a group is a :class:`~mtbert.trial_run.TrialRun` built as its solo run
+Each trial of a group is a :class:`~mtbert.run.trial_run.TrialRun` built as its solo run
 builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
 optimizer), so each keeps everything a solo run has: its batches in its order, its
 evaluations, history, checkpoints, reports and predictions, in its own folder (the files
 of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
-:class:`FusedStep`, the group's step engine (:mod:`mtbert.step_engine`), stacks the
-trials' models (:mod:`mtbert.fused_model`; each trial model's parameters become views of
+:class:`FusedStep`, the group's step engine (:mod:`mtbert.step.step_engine`), stacks the
+trials' models (:mod:`mtbert.step.fused_model`; each trial model's parameters become views of
 its slice) and trains them all in one step, with a per-trial AdamW
-(:mod:`mtbert.fused_adamw`) whose moments each trial's optimizer holds as views too.  A
+(:mod:`mtbert.step.fused_adamw`) whose moments each trial's optimizer holds as views too.  A
 group of one trial skips the trial axis: :class:`GroupOfOneStep` steps it with its solo
 run's eager step (the solo run's ops, draws and arithmetic).
 
@@ -39,12 +39,16 @@ An error in the shared step itself ends the group.
 
 Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
 weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
-trained by the fused AdamW (:mod:`mtbert.fused_losses`) --, dropout, SMART's λ_t, ε, μ,
-β, noise and ascent step (:mod:`mtbert.fused_smart`).  Each trial has its own random
-stream (:class:`~mtbert.fused_smart.TrialStreams`, from right after its construction):
-its SMART noise and PCGrad task orders (:mod:`mtbert.fused_gradients`: one backward per
-task, the projection batched over the trials) are drawn from it, as its solo run draws
-them from torch's, and its own bookkeeping (evaluations, checkpoints) runs on it.  Not
+trained by the fused AdamW (:func:`mtbert.techniques.losses.stack_combiners`) --, dropout, SMART's
+λ_t, ε, μ, β, noise and ascent step (:class:`mtbert.techniques.smart.TrialAxisSmart`).  Each
+technique is written once, for one trial and over the trial axis (the loss weighting and
+penalty in :mod:`mtbert.techniques.losses`, PCGrad in :mod:`mtbert.techniques.gradients`, SMART in
+:mod:`mtbert.techniques.smart`, dropout in :mod:`mtbert.model.dropout_rate`).  Each trial has its own
+random stream (:class:`~mtbert.core.trial_streams.TrialStreams`, from right after its
+construction): its SMART noise and PCGrad task orders (:func:`mtbert.techniques.gradients.pcgrad_backward`
+with a trial axis: one backward per task, the projection batched over the trials) are
+drawn from it, as its solo run draws them from torch's, and its own bookkeeping
+(evaluations, checkpoints) runs on it.  Not
 fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
 on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
 """
@@ -63,24 +67,25 @@ from mtbert.core.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, SharedBuckets
 from mtbert.core.devices import to_device
 from mtbert.step.fused_adamw import STATE_KEYS, TrialAdamW
-from mtbert.step.fused_gradients import FusedPCGrad
-from mtbert.step.fused_losses import FusedLossWeighting, combiner_parameters
 from mtbert.step.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
-from mtbert.step.fused_smart import FusedSmart, TrialStreams
+from mtbert.techniques.gradients import pcgrad_backward, random_orders, trial_orders
+from mtbert.techniques.losses import stack_combiners, weight_penalty
 from mtbert.core.pretrained import load_model_config
+from mtbert.techniques.smart import TrialAxisSmart
 from mtbert.step.step_engine import EagerStep
 from mtbert.step.step_graphs import reached_parameters
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.step.trainer import Trainer
 from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
+from mtbert.core.trial_streams import TrialStreams
 
 
 def fuse_key(cfg: TrainConfig) -> tuple:
     """Trials with equal keys train as one fused model: the step's structure
-    (:func:`mtbert.graph_reuse.structure`, less :data:`~mtbert.config.FUSED_PER_TRIAL`: the
+    (:func:`mtbert.run.graph_reuse.structure`, less :data:`~mtbert.core.config.FUSED_PER_TRIAL`: the
     fixed loss weights), each task's batch size, the length buckets (a step's trials share
     one: ``SharedBuckets``) and the settings that shape the data (one ``MultitaskData``
-    serves the group: :data:`~mtbert.config.DATA_PER_SEARCH`)."""
+    serves the group: :data:`~mtbert.core.config.DATA_PER_SEARCH`)."""
     structure = tuple(item for item in graph_reuse.structure(cfg)
                       if item[0] not in FUSED_PER_TRIAL)
     data = tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k in DATA_PER_SEARCH))
@@ -124,8 +129,8 @@ def eager(cfg: TrainConfig) -> TrainConfig:
 
 
 class FusedStep:
-    """The fused step engine (:mod:`mtbert.step_engine`) of N trials of one structure: their
-    models stacked (:class:`~mtbert.fused_model.FusedModel`; each trial model's parameters
+    """The fused step engine (:mod:`mtbert.step.step_engine`) of N trials of one structure: their
+    models stacked (:class:`~mtbert.step.fused_model.FusedModel`; each trial model's parameters
     become views of its slice) and one per-trial AdamW (:class:`TrialAdamW`) whose moments
     each trial's own optimizer holds as views too, so that each trial's evaluation,
     checkpoint and predictions read the fused state.  Built from the trials' state as it
@@ -142,18 +147,19 @@ class FusedStep:
         models = [t.model for t in self.trials]
         self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
         self.fused.bind(models)
-        self.smart = (FusedSmart(self.fused, [t.regulariser for t in self.trials], streams,
-                                 self.trials, self.cfg)
+        self.smart = (TrialAxisSmart(self.fused, [t.regulariser for t in self.trials],
+                                     streams, self.trials, self.cfg)
                       if first.regulariser is not None else None)
+        self.streams = streams
         shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
-        self.pcgrad = (FusedPCGrad([self.fused.params[k] for k, p in
-                                    self.fused.skeleton.named_parameters() if id(p) in shared],
-                                   streams, self.trials)
-                       if self.cfg.pcgrad else None)
-        self.weighting = FusedLossWeighting([t.loss_combiner for t in self.trials],
-                                            self.device)
+        #: the stacked encoder parameters PCGrad projects (None: no PCGrad)
+        self.pcgrad_shared = ([self.fused.params[k] for k, p in
+                               self.fused.skeleton.named_parameters() if id(p) in shared]
+                              if self.cfg.pcgrad else None)
+        #: the trials' loss weighting over the trial axis (:func:`mtbert.techniques.losses.stack_combiners`)
+        self.weighting = stack_combiners([t.loss_combiner for t in self.trials], self.device)
         #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
-        self.trained = {**self.fused.params, **self.weighting.params}
+        self.trained = {**self.fused.params, **combiner_parameters(self.weighting)}
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -221,18 +227,19 @@ class FusedStep:
                 host = to_device(host, self.device)
                 per_trial = (self.smart.task_losses(task, host) if self.smart is not None
                              else self.fused.task_losses(task, host, self.cfg))
-                if task not in self.reach:
-                    reached = reached_parameters(per_trial)
-                    self.reach[task] = ({k for k, p in self.fused.params.items()
-                                         if id(p) in reached} | self.weighting.reached(task))
                 losses[task] = per_trial
-                weighted = self.weighting.weighted(task, per_trial)
+                weighted = self.weighting.weighted({task: per_trial})[task]
+                if task not in self.reach:
+                    reached = reached_parameters(weighted)
+                    self.reach[task] = {k for k, p in self.trained.items() if id(p) in reached}
                 summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
-            penalty = self.fused.penalty(self.cfg.l1_lambda, self.cfg.l2_lambda)
+            penalty = weight_penalty([self.fused.params[k] for k in self.fused.penalised],
+                                     self.weighting.l1, self.weighting.l2, trial_axis=True)
             extra = (None if penalty is None
                      else (penalty * stepping_mask.to(penalty.dtype)).sum())
-        if self.pcgrad is not None:
-            self.pcgrad.backward(summed, extra, stepping)
+        if self.pcgrad_shared is not None:
+            pcgrad_backward(summed, self.pcgrad_shared, extra,
+                            self._pcgrad_orders(summed, stepping), trials=self.n)
         else:
             (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
         masks = self._masks(pattern, penalty is not None)
@@ -249,6 +256,16 @@ class FusedStep:
         self.timings["step_s"] += time.perf_counter() - started
         return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
                 for trial, trial_batches in batches.items()}
+
+    def _pcgrad_orders(self, summed: dict[str, torch.Tensor], stepping: dict[int, dict]):
+        """Each trial's PCGrad task orders over its own tasks in the step, drawn from its own
+        stream as its solo run draws them (:func:`mtbert.techniques.gradients.trial_orders`)."""
+        def draw(n: int, count: int) -> list[list[int]]:
+            with self.streams.of(self.trials[n]):
+                return random_orders(count)
+
+        return trial_orders(list(summed), [list(stepping[n]) if n in stepping else None
+                                           for n in range(self.n)], draw, self.device)
 
     def _pattern(self, stepping: dict[int, dict]) -> dict:
         """Which trials step which tasks, as device tensors made once per pattern (the
@@ -280,7 +297,7 @@ class FusedStep:
 
 class GroupOfOneStep:
     """The engine of a group of one trial: its solo run's eager step
-    (:class:`~mtbert.step_engine.EagerStep`: N = 1 skips the trial axis, as HFTA's B = 0 is
+    (:class:`~mtbert.step.step_engine.EagerStep`: N = 1 skips the trial axis, as HFTA's B = 0 is
     the plain module), on its own random stream, its tensors its own (copies of its slices
     of the fused engine it leaves, if any): the same ops, draws and arithmetic as the solo
     run.  A trial that joins re-forms the group into a :class:`FusedStep`, which takes this
@@ -294,6 +311,16 @@ class GroupOfOneStep:
     def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
         with self.streams.of(self.trial):
             return self.eager.step(batches)
+
+
+#: the prefix of a loss combiner's parameters among a fused step's trained tensors
+LOSS_WEIGHTING = "loss_weighting."
+
+
+def combiner_parameters(combiner: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A loss combiner's parameters (uncertainty's s_t), named as a fused step names them
+    among its trained tensors."""
+    return {LOSS_WEIGHTING + k: p for k, p in combiner.named_parameters()}
 
 
 def own_tensors(trial: TrialRun) -> None:

@@ -13,7 +13,9 @@ Task losses: SST cross-entropy; QQP binary cross-entropy on the logit; STS by
 A loss combiner turns ``{task: loss}`` into per-task weighted losses (and may own
 parameters) and adds the L1/L2 weight penalty (``loss_weighting``: ``sum``, ``fixed``
 with ``w_sst/w_qqp/w_sts``, or ``uncertainty`` with learned s_i; ``l1_lambda``,
-``l2_lambda``); the gradient combiner (gradients.py) then sets the gradients.
+``l2_lambda``); the gradient combiner (gradients.py) then sets the gradients.  The
+weighting and the penalty are written once for one trial and for N stacked trials (a
+fused step's ``[N]`` losses; :func:`stack_combiners`, :func:`weight_penalty`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,39 @@ def penalised_parameters(model: nn.Module) -> list[nn.Parameter]:
             and not name.endswith("bias")]
 
 
+def weight_penalty(params: list[torch.Tensor], l1: float, l2: float,
+                   trial_axis: bool = False) -> torch.Tensor | None:
+    """``l1 · Σ|θ| + l2 · Σ θ²`` over ``params`` (report 002 §4.2.2), or None when both are
+    0: one number, or with ``trial_axis`` one a trial (``[N]``: each tensor's leading axis
+    is the trials', as a fused step stacks them)."""
+    if not params or not (l1 or l2):
+        return None
+
+    def summed(values) -> torch.Tensor:  # over each tensor (within a trial), then over them
+        per_tensor = torch.stack([v.flatten(1).sum(1) if trial_axis else v.sum()
+                                  for v in values])
+        return per_tensor.sum(0) if trial_axis else per_tensor.sum()
+
+    total = l1 * summed(p.abs() for p in params) if l1 else None
+    if l2:
+        term = l2 * summed(p.pow(2) for p in params)
+        total = term if total is None else total + term
+    return total
+
+
+def fixed_weighted(loss: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+    """w_t · L_t: ``weight`` a number (one trial) or an ``[N]`` tensor of each trial's."""
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(loss.dtype)
+    return weight * loss
+
+
+def uncertainty_weighted(loss: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """exp(−s_t) · L_t + s_t (Kendall et al. 2018): ``s`` the learned log variance, 0-d (one
+    trial) or ``[N]`` (each trial's)."""
+    return torch.exp(-s) * loss + s
+
+
 class LossCombiner(nn.Module):
     """``weighted({task: loss}) -> {task: weighted loss}``; ``penalty(model)`` adds a term.
 
@@ -110,6 +145,10 @@ class LossCombiner(nn.Module):
     ``penalty(model) = l1_lambda · Σ|θ| + l2_lambda · Σ θ²`` over
     :func:`penalised_parameters` (weight matrices and embeddings; no biases, no
     LayerNorm), or None when both are 0 (the plain loss is then unchanged).
+
+    The weighting is written once for one trial and for N: a loss may be one number or
+    ``[N]`` (the trials of a fused step), a combiner's values numbers or 0-d tensors (one
+    trial) or ``[N]`` tensors (:func:`stack_combiners`).
     """
 
     def __init__(self, cfg: TrainConfig | None = None):
@@ -125,15 +164,7 @@ class LossCombiner(nn.Module):
         return penalised_parameters(model) if self.l1 or self.l2 else []
 
     def penalty(self, model: nn.Module) -> torch.Tensor | None:
-        params = self.penalised(model)
-        if not params:
-            return None
-        total = torch.zeros((), device=params[0].device) if params else torch.zeros(())
-        if self.l1:
-            total = total + self.l1 * torch.stack([p.abs().sum() for p in params]).sum()
-        if self.l2:
-            total = total + self.l2 * torch.stack([p.pow(2).sum() for p in params]).sum()
-        return total
+        return weight_penalty(self.penalised(model), self.l1, self.l2)
 
 
 class SumCombiner(LossCombiner):
@@ -141,14 +172,17 @@ class SumCombiner(LossCombiner):
 
 
 class FixedCombiner(LossCombiner):
-    """L = Σ_i w_i L_i with the config's ``w_sst``, ``w_qqp``, ``w_sts``."""
+    """L = Σ_i w_i L_i with the config's ``w_sst``, ``w_qqp``, ``w_sts`` (or ``weights``:
+    task -> a number, or an ``[N]`` tensor of each trial's)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig | None = None,
+                 weights: dict[str, float | torch.Tensor] | None = None):
         super().__init__(cfg)
-        self.weights = {"sst": cfg.w_sst, "qqp": cfg.w_qqp, "sts": cfg.w_sts}
+        self.weights = (weights if weights is not None
+                        else {"sst": cfg.w_sst, "qqp": cfg.w_qqp, "sts": cfg.w_sts})
 
     def weighted(self, losses):
-        return {t: self.weights[t] * loss for t, loss in losses.items()}
+        return {t: fixed_weighted(loss, self.weights[t]) for t, loss in losses.items()}
 
 
 class UncertaintyCombiner(LossCombiner):
@@ -162,7 +196,43 @@ class UncertaintyCombiner(LossCombiner):
         self.s = nn.ParameterDict({t: nn.Parameter(torch.zeros(())) for t in tasks})
 
     def weighted(self, losses):
-        return {t: torch.exp(-self.s[t]) * loss + self.s[t] for t, loss in losses.items()}
+        return {t: uncertainty_weighted(loss, self.s[t]) for t, loss in losses.items()}
+
+
+#: the combiners that weigh a trial axis as one trial (a subclass may weigh otherwise)
+_STACKABLE = (SumCombiner, FixedCombiner, UncertaintyCombiner)
+
+
+def stack_combiners(combiners: list[LossCombiner], device: torch.device) -> LossCombiner:
+    """N trials' combiners as one combiner over the trial axis (their losses ``[N]``), for a
+    fused step: ``fixed`` weights as ``[N]`` tensors (``sum`` trials among them at 1);
+    ``uncertainty``'s learned s_t stacked into one ``[N]`` parameter a task, each trial's
+    own combiner then holding views of its slices (its checkpoint's state).  Its penalty
+    settings are the first trial's (the step's structure).  A combiner of another kind is
+    refused: it weighs in its own way, which the stacked one would not."""
+    kinds = {type(c) for c in combiners}
+    if not kinds <= set(_STACKABLE) or (UncertaintyCombiner in kinds and len(kinds) > 1):
+        odd = next((k for k in kinds if k not in _STACKABLE), UncertaintyCombiner)
+        raise ValueError(f"cannot train fused: loss combiner {odd.__name__} has no trial-axis "
+                         "form (mtbert/techniques/losses.py: stack_combiners)")
+    first = combiners[0]
+    if kinds == {UncertaintyCombiner}:
+        stacked = UncertaintyCombiner(tasks=tuple(first.s))
+        with torch.no_grad():
+            for task, s in stacked.s.items():
+                s.data = torch.stack([c.s[task].detach() for c in combiners]).to(device)
+        for n, combiner in enumerate(combiners):
+            for task, s in combiner.s.items():
+                s.data = stacked.s[task].detach()[n]
+    elif FixedCombiner in kinds:
+        stacked = FixedCombiner(weights={
+            t: torch.tensor([float(c.weights[t]) if isinstance(c, FixedCombiner) else 1.0
+                             for c in combiners], dtype=torch.float64, device=device)
+            for t in TASK_NAMES})
+    else:
+        stacked = SumCombiner()
+    stacked.l1, stacked.l2 = first.l1, first.l2
+    return stacked
 
 
 def build_loss_combiner(cfg: TrainConfig) -> LossCombiner:

@@ -27,6 +27,13 @@ around its own forwards), so R_s is exactly 0 for δ = 0 and D_Breg exactly 0 fo
 The global RNG then continues as if those forwards had not consumed it; only the
 initial noise ν is drawn from it (so checkpoint resume stays exact).
 
+One trial and N.  The ascent (:func:`ascend`), its start (:func:`start_perturbation`), the
+divergences and the teacher's EMA (:func:`teacher_ema_`) are written once, for one
+trial's ``[rows, tokens, hidden]`` embeddings and for N stacked trials'
+``[N, rows, tokens, hidden]`` with each trial's η, ε and β as tensors:
+:class:`SmartRegulariser` runs them for one trial, :class:`TrialAxisSmart` for the trials
+of a fused step (:mod:`mtbert.step.fused_training`).
+
 Cost.  One SMART step adds an ascent forward + a backward to the embeddings only,
 an adversarial forward + its backward, and (μ > 0) one no-grad teacher forward.
 Memory: the teacher is one detached copy of every trainable parameter of the model
@@ -44,23 +51,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, vmap
 
 from mtbert.core.config import TrainConfig
-from mtbert.data import ROW_WEIGHTS
-from mtbert.techniques.losses import weighted_mean
+from mtbert.data import ROW_WEIGHTS, encoding_for
+from mtbert.techniques.losses import _wide, task_loss, weighted_mean
 from mtbert.model.model import TaskOutput
 from mtbert.core.tasks import TASK_NAMES
+from mtbert.core.trial_streams import _rng_state, _set_rng_state
 
 _TINY = 1e-12
 
 
 # ---------------------------------------------------------------------- divergences ℓ_s
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """fp32 for low-precision tensors, float64 kept (so tests can run in double)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def symmetric_kl_logits(p_logits: torch.Tensor, q_logits: torch.Tensor,
                         weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over rows of KL(P‖Q) + KL(Q‖P), P = softmax(p), Q = softmax(q) (001 eq. 8).
@@ -100,22 +103,10 @@ def divergence(task: str, p: torch.Tensor, q: torch.Tensor,
 
 
 # ---------------------------------------------------------------------- RNG replay
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, device
-
-
-def _set_rng_state(state) -> None:
-    cpu, cuda, device = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 class EagerRngReplay:
     """Replays the clean forward's random numbers by saving torch's RNG state before it and
     setting it again around each replaying forward (host copies of the state: eager only;
-    :class:`mtbert.step_graphs.GraphRngReplay` is the capturable twin)."""
+    :class:`mtbert.step.step_graphs.GraphRngReplay` is the capturable twin)."""
 
     def remember(self, device: torch.device):
         return _rng_state(device)
@@ -136,6 +127,54 @@ def _batch_device(batch: dict[str, torch.Tensor]) -> torch.device:
 
 
 _MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
+
+
+# ---------------------------------------------------------------------- written once
+# for one trial (x: [rows, tokens, hidden], ``lead`` = 1) and for N stacked trials
+# (x: [N, rows, tokens, hidden], ``lead`` = 2, the values [N, 1, 1, 1] tensors)
+def start_perturbation(embeds: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
+                       noise) -> tuple[dict, dict, dict]:
+    """(x detached, the real tokens' masks, δ₀ = ν on real tokens only) for the embeddings
+    ``embeds``; ``noise(key, x)``: ν for one input's embeddings, drawn in the key order."""
+    x = {k: e.detach() for k, e in embeds.items()}
+    masks = {k: batch[_MASK_KEY[k]].unsqueeze(-1).to(x[k].dtype) for k in x}
+    return x, masks, {k: noise(k, x[k]) * masks[k] for k in x}
+
+
+def ascend(x: dict[str, torch.Tensor], delta: dict[str, torch.Tensor],
+           masks: dict[str, torch.Tensor], divergence_at, steps: int,
+           step_size: float | torch.Tensor, eps: float | torch.Tensor,
+           lead: int = 1) -> dict[str, torch.Tensor]:
+    """δ* of Jiang et al.'s Algorithm 1: ``steps`` times x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞),
+    g̃ the gradient of ``divergence_at(x + δ)`` (a number: with a trial axis the trials' sum,
+    each trial's slice of δ getting its own), ‖g̃‖∞ per example over every perturbed token of
+    it, the projection an element-wise clamp, δ kept on real tokens (``masks``).  ``lead``:
+    the leading axes that index an example (1: rows; 2: trials and rows)."""
+    for _ in range(steps):
+        delta = {k: d.requires_grad_(True) for k, d in delta.items()}
+        div = divergence_at({k: x[k] + delta[k] for k in x})
+        keys = list(delta)
+        grads = torch.autograd.grad(div, [delta[k] for k in keys], allow_unused=True)
+        grads = {k: (g if g is not None else torch.zeros_like(delta[k]))
+                 for k, g in zip(keys, grads)}
+        # per-example ‖g̃‖∞ over every perturbed token of the example
+        norm = torch.stack([g.abs().flatten(lead).amax(lead) for g in grads.values()]).amax(0)
+        norm = norm.view(norm.shape + (1, 1)) + _TINY
+        # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
+        delta = {k: (torch.clamp(delta[k].detach() + step_size * grads[k] / norm,
+                                 -eps, eps) * masks[k]) for k in keys}
+    return delta
+
+
+@torch.no_grad()
+def teacher_ema_(teacher: list[torch.Tensor], params: list[torch.Tensor],
+                 beta: float | list[torch.Tensor],
+                 one_minus_beta: float | list[torch.Tensor]) -> None:
+    """θ̃ ← β θ̃ + (1 − β) θ (momentum Bregman proximal point, Jiang et al. 2020 §3), in
+    place: β a number (one trial), or per tensor each trial's β shaped against it
+    (``[N, 1, ...]``; 1 for a trial that did not step, whose teacher then stays)."""
+    torch._foreach_mul_(teacher, beta)
+    torch._foreach_add_(teacher, torch._foreach_mul(params, one_minus_beta))
 
 
 @dataclass(frozen=True)
@@ -241,17 +280,15 @@ class SmartRegulariser:
             for name, tensor in self.teacher.items():
                 tensor.copy_(saved[name])
 
-    @torch.no_grad()
     def after_step(self, model: nn.Module) -> None:
-        """θ̃ ← β θ̃ + (1 − β) θ (momentum Bregman proximal point, Jiang et al. 2020 §3)."""
+        """θ̃ ← β θ̃ + (1 − β) θ (:func:`teacher_ema_`)."""
         if self.teacher is None:
             return
         params = dict(model.named_parameters())
         names = list(self.teacher)
-        teacher = [self.teacher[n] for n in names]
         beta = self.settings.beta
-        torch._foreach_mul_(teacher, beta)
-        torch._foreach_add_(teacher, [params[n].detach() for n in names], alpha=1.0 - beta)
+        teacher_ema_([self.teacher[n] for n in names], [params[n] for n in names], beta,
+                     1.0 - beta)
 
     # -------------------------------------------------------------- the term
     def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
@@ -296,27 +333,17 @@ class SmartRegulariser:
     def perturbation(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
                      clean: TaskOutput, rng=None) -> tuple[dict, dict]:
         """The embeddings x (detached) and the adversarial δ with ‖δ‖∞ ≤ ε (Algorithm 1)."""
-        x = {k: e.detach() for k, e in model.embed_inputs(task, batch).items()}
-        masks = {k: batch[_MASK_KEY[k]].unsqueeze(-1).to(x[k].dtype) for k in x}
-        delta = {k: self.initial_noise(x[k]) * masks[k] for k in x}  # real tokens only
+        x, masks, delta = start_perturbation(model.embed_inputs(task, batch), batch,
+                                             lambda k, e: self.initial_noise(e))
         target = smart_output(task, clean).detach()
         weights = batch.get(ROW_WEIGHTS)
-        for _ in range(self.settings.steps):
-            delta = {k: d.requires_grad_(True) for k, d in delta.items()}
-            out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
-            div = divergence(task, smart_output(task, out), target, weights)
-            keys = list(delta)
-            grads = torch.autograd.grad(div, [delta[k] for k in keys], allow_unused=True)
-            grads = {k: (g if g is not None else torch.zeros_like(delta[k]))
-                     for k, g in zip(keys, grads)}
-            # per-example ‖g̃‖∞ over every perturbed token of the example
-            norm = torch.stack([g.abs().flatten(1).amax(1) for g in grads.values()]).amax(0)
-            norm = norm.view(-1, 1, 1) + _TINY
-            # x̃ ← Π_{‖x̃−x‖∞≤ε}(x̃ + η g̃/‖g̃‖∞): ascent step, then element-wise clamp
-            eps = self.values["eps"]
-            step = self.settings.step_size
-            delta = {k: (torch.clamp(delta[k].detach() + step * grads[k] / norm,
-                                     -eps, eps) * masks[k]) for k in keys}
+
+        def divergence_at(embeds):
+            out = self._forward(model, task, batch, rng, embeds)
+            return divergence(task, smart_output(task, out), target, weights)
+
+        delta = ascend(x, delta, masks, divergence_at, self.settings.steps,
+                       self.settings.step_size, self.values["eps"])
         return x, delta
 
     def smoothness(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
@@ -339,6 +366,167 @@ class SmartRegulariser:
             out = self._forward(model, task, batch, rng, params=self.teacher)
         return divergence(task, smart_output(task, clean), smart_output(task, out).detach(),
                           batch.get(ROW_WEIGHTS))
+
+
+# ---------------------------------------------------------------------- N stacked trials
+def _loss_and_compared(model, task: str, batch: dict[str, torch.Tensor], cfg):
+    """One trial's task loss (as :func:`mtbert.techniques.losses.batch_loss`, before its SMART term)
+    and what ℓ_s compares of its clean output."""
+    out = model(task, batch)
+    return (task_loss(task, out, batch["labels"], cfg, batch.get(ROW_WEIGHTS)),
+            smart_output(task, out))
+
+
+class TrialAxisSmart:
+    """SMART over N stacked trials (a fused step): each trial's loss on a task batch is its
+    solo ``batch_loss`` with its SMART term, L_t + λ_t · R_s(θ) + μ · D_Breg(θ, θ̃), with
+    λ_t, ε, μ, β, the noise σ and the ascent step η each trial's own (``[N]`` tensors);
+    which terms are on (λ_t > 0, μ > 0) and the number of ascent steps are the group's
+    structure (:func:`mtbert.run.graph_reuse.structure`).  The ascent (:func:`ascend`), the
+    divergences and the teacher's EMA (:func:`teacher_ema_`) are the one-trial
+    regulariser's, over the trial axis; the forwards are the fused model's
+    (:meth:`mtbert.step.fused_model.FusedModel.map`), and one ``autograd.grad`` of the sum of
+    the trials' divergences gives each trial's slice of δ its own gradient.
+
+    Noise.  A solo run draws ν from torch's global RNG, seeded by its trainer; here each
+    trial draws its ν from its own copy of that stream (:mod:`mtbert.core.trial_streams`) in its
+    solo batch's shape and task order, so with dropout 0 a fused trial's noise, and so its
+    run, is its solo run's (on a CPU: a solo run on CUDA holds its dropout rate in a device
+    tensor and draws masks from that stream even at rate 0, so there the two draw their
+    noise at other points of it).  Dropout masks come from the process's RNG
+    (:mod:`mtbert.step.fused_model`); the forwards replay the clean forward's masks as the solo
+    regulariser's do.  The teacher: ``[N, ...]`` copies of the trainable weights; each
+    trial's own :class:`SmartRegulariser` holds views of its slices (its checkpoint's)."""
+
+    def __init__(self, fused, regularisers: list[SmartRegulariser], streams, trials: list,
+                 cfg):
+        """``fused``: the :class:`~mtbert.step.fused_model.FusedModel`; ``streams``: the trials'
+        :class:`~mtbert.core.trial_streams.TrialStreams`; ``trials``: their keys, by slot."""
+        self.fused, self.streams, self.trials, self.cfg = fused, streams, trials, cfg
+        settings = [r.settings for r in regularisers]
+        device = next(iter(fused.params.values())).device
+
+        def per_trial(values):
+            return torch.tensor(values, dtype=torch.float64, device=device)
+
+        self.lambdas = {t: per_trial([s.lambdas[t] for s in settings]) for t in TASK_NAMES}
+        self.lambda_on = {t: settings[0].lambdas[t] > 0 for t in TASK_NAMES}
+        self.eps = per_trial([s.eps for s in settings])
+        self.step_size = per_trial([s.step_size for s in settings])
+        self.mu = per_trial([s.mu for s in settings])
+        self.noise_std = [s.noise_std for s in settings]
+        self.betas = per_trial([s.beta for s in settings])
+        self.steps = settings[0].steps
+        self.teacher: dict[str, torch.Tensor] | None = None
+        if regularisers[0].teacher is not None:
+            self.teacher = {k: torch.stack([r.teacher[k] for r in regularisers])
+                            for k in regularisers[0].teacher}
+            for n, r in enumerate(regularisers):
+                r.teacher = {k: t[n] for k, t in self.teacher.items()}
+        skeleton = fused.skeleton
+        table = skeleton.encoder.get_input_embeddings().weight
+        name = next(k for k, p in skeleton.named_parameters() if p is table)
+        self.embedding = fused.params[name]  # [N, vocab, hidden]: the noise's dtype and width
+        self.rng = EagerRngReplay()
+        self._noise: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    # -------------------------------------------------------------- noise
+    def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+        """ν ~ N(0, σ_n² I) for every trial's task batches of this step (host batches), from
+        the trial's stream, in its solo shape and order (its tasks, then ``a`` before ``b``)."""
+        self._noise = {}
+        if not any(self.lambda_on.values()):
+            return
+        hidden, dtype = self.embedding.shape[-1], self.embedding.dtype
+        for n, trial_batches in batches.items():
+            with self.streams.of(self.trials[n]):
+                for task, batch in trial_batches.items():
+                    if not self.lambda_on[task]:
+                        continue
+                    keys = (["input_ids_a", "input_ids_b"]
+                            if encoding_for(task, self.cfg.pair_encoding) == "siamese"
+                            else ["input_ids"])
+                    self._noise.setdefault(task, {})[n] = [
+                        torch.randn(batch[k].shape + (hidden,), dtype=dtype,
+                                    device=self.embedding.device) * self.noise_std[n]
+                        for k in keys]
+
+    def _initial_noise(self, task: str, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The drawn ν of each trial placed in the stacked (padded) shape; 0 elsewhere."""
+        nu = torch.zeros_like(x)
+        place = {"input": 0, "a": 0, "b": 1}[key]  # the order draw_noise drew them in
+        for n, parts in self._noise.get(task, {}).items():
+            nu[n, :parts[place].shape[0], :parts[place].shape[1]] = parts[place]
+        return nu
+
+    # -------------------------------------------------------------- the term
+    def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[N]``: L_t + λ_t·R_s + μ·D_Breg of each trial on its slice of ``batch``."""
+        remembered = self.rng.remember(self.embedding.device)
+        losses, compared = self.fused.map(
+            lambda model, b: _loss_and_compared(model, task, b, self.cfg), batch)
+        term = torch.zeros_like(losses)
+        if self.lambda_on[task]:
+            smooth = self.smoothness(task, batch, compared, remembered)
+            term = term + self.lambdas[task].to(smooth.dtype) * smooth
+        if self.teacher is not None:
+            breg = self.bregman(task, batch, compared, remembered)
+            term = term + self.mu.to(breg.dtype) * breg
+        return losses + term
+
+    def _compared(self, task, batch, remembered, embeds=None, tensors=None) -> torch.Tensor:
+        """What ℓ_s compares of each trial's forward at ``embeds`` (or of the weights
+        ``tensors``), on the clean forward's dropout masks."""
+        with self.rng.replay(remembered):
+            return self.fused.map(lambda model, b, e: smart_output(task, model(task, b, e or None)),
+                                  batch, embeds or {}, tensors=tensors)
+
+    def _divergence(self, task, p, q, batch) -> torch.Tensor:
+        """ℓ_s of each trial (``[N]``), a mean over its real rows."""
+        return vmap(lambda a, c, w: divergence(task, a, c, w))(p, q, batch[ROW_WEIGHTS])
+
+    def smoothness(self, task, batch, compared, remembered) -> torch.Tensor:
+        """R_s = ℓ_s(f(x + δ*; θ), f(x; θ)) per trial, δ* from :func:`ascend`."""
+        x, masks, delta = start_perturbation(
+            self.fused.map(lambda model, b: model.embed_inputs(task, b), batch), batch,
+            lambda k, e: self._initial_noise(task, k, e))
+        target = compared.detach()
+        shape = (-1,) + (1,) * 3  # a per-trial value against [N, rows, tokens, hidden]
+        step = self.step_size.to(next(iter(x.values())).dtype).view(shape)
+        eps = self.eps.to(step.dtype).view(shape)
+
+        def divergence_at(embeds):
+            return self._divergence(task, self._compared(task, batch, remembered, embeds),
+                                    target, batch).sum()
+
+        delta = ascend(x, delta, masks, divergence_at, self.steps, step, eps, lead=2)
+        out = self._compared(task, batch, remembered, {k: x[k] + delta[k] for k in x})
+        return self._divergence(task, out, compared, batch)
+
+    def bregman(self, task, batch, compared, remembered) -> torch.Tensor:
+        """D_Breg = ℓ_s(f(x; θ), f(x; θ̃)) per trial; the teachers run under no_grad."""
+        with torch.no_grad():
+            out = self._compared(task, batch, remembered, tensors=self.teacher)
+        return self._divergence(task, compared, out.detach(), batch)
+
+    def after_step(self, stepping: torch.Tensor) -> None:
+        """:func:`teacher_ema_` of each trial that stepped (``stepping``: ``[N]`` bool on the
+        device); a trial that did not step has β = 1 and keeps its teacher.  No loop over
+        the trials: one β a tensor shape, a few ops for all the parameters."""
+        if self.teacher is None:
+            return
+        names = list(self.teacher)
+        teacher = [self.teacher[k] for k in names]
+        dtype = teacher[0].dtype
+        beta = torch.where(stepping, self.betas, 1.0).to(dtype)
+        one_minus = torch.where(stepping, 1.0 - self.betas, 0.0).to(dtype)
+        shaped = {}
+        for t in teacher:
+            if t.dim() not in shaped:
+                view = (-1,) + (1,) * (t.dim() - 1)
+                shaped[t.dim()] = (beta.view(view), one_minus.view(view))
+        teacher_ema_(teacher, [self.fused.params[k] for k in names],
+                     [shaped[t.dim()][0] for t in teacher], [shaped[t.dim()][1] for t in teacher])
 
 
 def build_regulariser(cfg: TrainConfig, model) -> SmartRegulariser | None:
