@@ -25,12 +25,17 @@ NUM_TRIALS = 4
 #: float64, against 0 without it (tests/test_fused.py)
 DRIFT = 1e-4
 
+#: one length bucket: the trials join the trainer's group at different times (and the
+#: promoted one again from its checkpoint), and with buckets a trial that joins later takes
+#: the buckets of the trials already there, so it would not draw its solo run's batches
+#: (docs/training.md, "Batches: length buckets")
 SPACE = """description: the smoke space with dropout 0 (fused vs solo, compared)
 params:
   lr: {loguniform: [1.0e-4, 3.0e-3]}
   dropout: 0.0
   batch_size: 8
   warmup_ratio: 0.0
+  length_bucketing: false
 """
 
 
