@@ -74,14 +74,19 @@ class TaskBatcher:
         """Batches in a pass over the split."""
         return int(self.bucket_sizes.sum())
 
-    def bucket_at(self, draw: int) -> int:
-        """The bucket the ``draw``-th batch of this task takes (every trial's alike)."""
-        k, j = divmod(draw, self.num_batches)
+    def pass_sequence(self, k: int) -> np.ndarray:
+        """The buckets pass ``k`` visits, in order: each as many times as it has batches,
+        shuffled by the task and ``k`` alone (every trial's alike)."""
         if self._sequence is None or self._sequence[0] != k:
             rng = np.random.default_rng([BUCKET_SEQUENCE_SEED, self.task_key, k])
             visits = np.repeat(np.arange(len(self.buckets)), self.bucket_sizes)
             self._sequence = (k, rng.permutation(visits))
-        return int(self._sequence[1][j])
+        return self._sequence[1]
+
+    def bucket_at(self, draw: int) -> int:
+        """The bucket the ``draw``-th batch of this task takes (every trial's alike)."""
+        k, j = divmod(draw, self.num_batches)
+        return int(self.pass_sequence(k)[j])
 
     def upcoming_bucket(self) -> int:
         """The bucket of this batcher's next batch, by its own sequence."""
@@ -129,8 +134,7 @@ class TaskBatcher:
     def _restore_alone(self, draws: int) -> None:
         """The state of a batcher that drew ``draws`` batches by its own sequence."""
         k, j = divmod(draws, self.num_batches)
-        self.bucket_at(draws)
-        done = np.bincount(self._sequence[1][:j], minlength=len(self.buckets))
+        done = np.bincount(self.pass_sequence(k)[:j], minlength=len(self.buckets))
         self.draws, self.passes, self.positions = draws, np.full(len(self.buckets), k), done
 
 
