@@ -442,11 +442,11 @@ class TrialRun:
         """The next host batch of each task in ``group`` (advances the batchers), from the
         length bucket ``buckets`` shares (default: the batcher's own next); with static
         lengths also a fixed row count per task (filler rows of weight 0)."""
-        def rows(task: str) -> np.ndarray:
+        def drawn(task: str) -> np.ndarray:
             batcher = self.batchers[task]
             return batcher.next_batch(None if buckets is None else buckets.take(task, batcher))
 
-        return {task: collate(self.train_splits[task], rows(task),
+        return {task: collate(self.train_splits[task], drawn(task),
                               self.encodings[task], self.data.pad_id, self.static_max_length,
                               rows=self.cfg.task_batch_size(task) if self.static_max_length
                               else 0)
