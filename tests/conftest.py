@@ -6,8 +6,11 @@ and nowhere else."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.get(item.nodeid, 0))  # stable: modules stay together
 
 
+#: the shared Ray session's CPUs, and how long a test's search may take to hand them back
+SHARED_RAY_CPUS, RAY_IDLE_WAIT_S = 2, 60
+
+
+def _start_shared_ray() -> None:
+    import ray
+
+    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
+
+
 @pytest.fixture(scope="session")
 def shared_ray():
     """One local Ray session (2 CPUs, no dashboard) for the searches run in this process;
@@ -114,10 +127,64 @@ def shared_ray():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        _start_shared_ray()
     yield
-    if started:
+    if started and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_left_idle(request):
+    """After each test on the shared Ray: its CPUs all free again within
+    :data:`RAY_IDLE_WAIT_S`.  A search that leaves an actor holding a CPU would make every
+    later search wait for it (the suite hangs); instead that test errors here, naming the
+    actors still alive, and the next test gets a fresh Ray session."""
+    yield
+    if "shared_ray" not in request.fixturenames:
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    deadline = time.time() + RAY_IDLE_WAIT_S
+    while time.time() < deadline:
+        if ray.available_resources().get("CPU", 0) >= SHARED_RAY_CPUS:
+            return
+        time.sleep(0.5)
+    from ray.util.state import list_actors
+
+    alive = [f"{a.class_name} {a.name or a.actor_id}"
+             for a in list_actors(filters=[("state", "=", "ALIVE")])]
+    free = ray.available_resources().get("CPU", 0)
+    ray.shutdown()
+    _start_shared_ray()
+    pytest.fail(f"the shared Ray still had {free} of {SHARED_RAY_CPUS} CPUs free "
+                f"{RAY_IDLE_WAIT_S} s after this test; alive actors: {alive} (Ray restarted)")
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_kept_open():
+    """After each test: the root logger's handlers and level as before it, and no handler
+    left writing to a stream the test's capture closed.  A library configures its logging
+    once, binding a handler to the ``sys.stderr`` of that moment: Ray's ``ray`` logger at
+    its first import, ``logging.basicConfig`` in ``mtbert.train.main`` run in-process.
+    Where that moment was inside a test with ``capsys``/``capfd``, every later record
+    (Ray Tune's "Trial task failed") printed a "--- Logging error ---" traceback
+    (``ValueError: I/O operation on closed file``) into a later test's console."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    loggers = [root, *(lg for lg in logging.Logger.manager.loggerDict.values()
+                       if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for handler in lg.handlers:
+            stream = handler.__dict__.get("stream")  # a property on some (no binding)
+            if stream is not None and getattr(stream, "closed", False):
+                with handler.lock:  # not setStream: it flushes the closed stream first
+                    handler.stream = sys.stderr
 
 
 @pytest.fixture(autouse=True, scope="session")
