@@ -143,7 +143,7 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     nothing is drawn, captured or counted inside the window.  After it, outside the
     window: the same steps' GPU busy time (one profiled pass over at most 5 of them) and
     ops (one step under :class:`OpCounter`)."""
-    from mtbert.step.fused_training import FusedGroup, FusedStep
+    from mtbert.step.fused_training import FusedGroup, group_step
     from mtbert.step.trainer import Trainer
 
     torch.set_num_threads(settings["threads"])
@@ -154,7 +154,7 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     if settings["fused"]:
         group = FusedGroup(configs, data, outs, checkpoints=False)
         trainers = list(group.trials.values())
-        engine = FusedStep(trainers, group.streams)
+        engine = group_step(trainers, group.streams)
     else:
         trainers = [Trainer(configs[0], data, outs[0], checkpoints=False)]
         engine = trainers[0].engine

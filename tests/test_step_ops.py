@@ -11,7 +11,10 @@ N=16 3,344 / 3,506 / 3,482 (+~75 a trial).  After: plain N=1 865 / 914 / 889, N=
 919 / 894, N=16 925 / 989 / 964 (+~5 a trial); SMART N=2 2,254 / 2,349 / 2,317, N=16
 2,374 / 2,489 / 2,459.  The solo eager step (``Trainer``) of the same configuration:
 plain 478 / 510 / 512, SMART 1,330 / 1,409 / 1,398; a group of one stacked one trial
-(N=1 above: 1.8x the solo step's ops) until it took the solo run's own eager step.
+(N=1 above: 1.8x the solo step's ops) until it took the solo run's own eager step.  With
+one engine for one trial and N (``EagerStep``, its parts ``OneTrial`` or ``StackedTrials``;
+the stacked sum's backward the gradient combiner's): plain N=2 861 / 911 / 886, N=16 917 /
+981 / 956; SMART N=2 2,245 / 2,338 / 2,308, N=16 2,357 / 2,464 / 2,434; solo unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import pytest
 from bench.fused import OpCounter
 from mtbert.data import load_data
 from mtbert.step.fused_training import FusedGroup
+from mtbert.step.stacked_trials import StackedTrials
+from mtbert.step.step_engine import EagerStep, OneTrial
 from mtbert.step.trainer import Trainer
 from mtbert.run.trial_run import TrialRun
 
@@ -52,6 +57,8 @@ def fused_ops(cfgs, data, folder) -> list[int]:
     for i, cfg in enumerate(cfgs):
         group.add(TrialRun(cfg, data, folder / str(i)))
     group.run_steps(3)
+    parts = OneTrial if len(cfgs) == 1 else StackedTrials
+    assert type(group.engine) is EagerStep and type(group.engine.parts) is parts
     calls: list[int] = []
     for _ in range(3):
         engine = group.engine
@@ -79,6 +86,7 @@ def solo_ops(cfg, data, folder) -> list[int]:
     trainer.start()
     for _ in range(3):
         trainer.train_one_update()
+    assert type(trainer.engine) is EagerStep and type(trainer.engine.parts) is OneTrial
     calls: list[int] = []
     engine = trainer.engine
     engine.step = _counted(engine, calls)
@@ -90,8 +98,9 @@ def solo_ops(cfg, data, folder) -> list[int]:
 
 @pytest.mark.parametrize("technique", ["plain", "smart"])
 def test_a_group_of_one_dispatches_the_solo_step_s_ops(tiny_config, tmp_path, technique):
-    """N = 1 skips the trial axis: a group of one steps its trial with the solo run's
-    eager step, so its ops are the solo step's (before: 865-914 against 478-512, plain)."""
+    """N = 1 skips the trial axis: a group of one is stepped by the engine a solo run is
+    stepped by (the ``EagerStep`` of ``OneTrial``), so its ops are the solo step's (before:
+    865-914 against 478-512, plain)."""
     cfg = _cfgs(tiny_config, 1, **(SMART if technique == "smart" else {}))
     data = load_data(cfg[0])
     alone = fused_ops(cfg, data, tmp_path / "group")

@@ -1,6 +1,6 @@
 """Train N configurations at once: those of one structure fused into one model.
 
-:func:`train_fused` groups the configurations by :func:`fuse_key` (what the fused step is
+:func:`train_fused` groups the configurations by :func:`fuse_key` (what the stacked step is
 built from: the model and its heads, the pair encoding, the losses and the gradient
 combiner, each task's batch size, the data); each group of two or more that can fuse
 trains as one :class:`FusedGroup`, every other configuration alone with the
@@ -10,18 +10,11 @@ Each trial of a group is a :class:`~mtbert.run.trial_run.TrialRun` built as its 
 builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
 optimizer), so each keeps everything a solo run has: its batches in its order, its
 evaluations, history, checkpoints, reports and predictions, in its own folder (the files
-of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
-:class:`FusedStep`, the group's step engine (:mod:`mtbert.step.step_engine`), stacks the
-trials' models (:mod:`mtbert.step.fused_model`; each trial model's parameters become views of
-its slice) and trains them all in one step, with a per-trial AdamW
-(:mod:`mtbert.step.fused_adamw`) whose moments each trial's optimizer holds as views too.  A
-group of one trial skips the trial axis: :class:`GroupOfOneStep` steps it with its solo
-run's eager step (the solo run's ops, draws and arithmetic).
-
-Each trial advances one optimizer step per fused step.  Trials whose schedules differ may
-train different tasks in the same step: the fused step runs every task in the union;
-a trial without that task gets filler rows, its loss is multiplied by 0 and its update
-masked out where its own tasks did not reach (``TrialAdamW``).
+of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared: the
+group's engine (:func:`group_step`) is the eager step (:mod:`mtbert.step.step_engine`) of
+the trials stacked on a trial axis (:mod:`mtbert.step.stacked_trials`), or, for a group of
+one, of the trial alone, as its solo run steps it.  Each trial advances one optimizer step
+per group step.
 
 Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joins
 (``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
@@ -37,25 +30,16 @@ joining trial's construction re-seeds torch's generator (as a solo run's does; a
 sets it to the checkpoint's): with dropout on, the others' masks are drawn on from there.
 An error in the shared step itself ends the group.
 
-Per-trial values as ``[N]`` (or ``[G, N]``) tensors: learning rate and its schedule,
-weight decay, clipping norm, the loss weights -- fixed, or uncertainty's learned s_t
-trained by the fused AdamW (:func:`mtbert.techniques.losses.stack_combiners`) --, dropout, SMART's
-λ_t, ε, μ, β, noise and ascent step (:class:`mtbert.techniques.smart.TrialAxisSmart`).  Each
-technique is written once, for one trial and over the trial axis (the loss weighting and
-penalty in :mod:`mtbert.techniques.losses`, PCGrad in :mod:`mtbert.techniques.gradients`, SMART in
-:mod:`mtbert.techniques.smart`, dropout in :mod:`mtbert.model.dropout_rate`).  Each trial has its own
-random stream (:class:`~mtbert.core.trial_streams.TrialStreams`, from right after its
-construction): its SMART noise and PCGrad task orders (:func:`mtbert.techniques.gradients.pcgrad_backward`
-with a trial axis: one backward per task, the projection batched over the trials) are
-drawn from it, as its solo run draws them from torch's, and its own bookkeeping
-(evaluations, checkpoints) runs on it.  Not
-fused yet: ``torch.compile`` and CUDA graphs of the fused step (the fused step is eager;
-on CUDA the trials train with ``step_mode=eager``), and encoders other than BERT's.
+Each trial has its own random stream (:class:`~mtbert.core.trial_streams.TrialStreams`,
+from right after its construction): its SMART noise and PCGrad task orders are drawn from
+it, as its solo run draws them from torch's, and its own bookkeeping (evaluations,
+checkpoints) runs on it.  Not fused yet: ``torch.compile`` and CUDA graphs of the stacked
+step (it is eager; on CUDA the trials train with ``step_mode=eager``), and encoders other
+than BERT's.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
@@ -65,15 +49,10 @@ import torch
 from mtbert.run import graph_reuse
 from mtbert.core.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, SharedBuckets
-from mtbert.core.devices import to_device
-from mtbert.step.fused_adamw import STATE_KEYS, TrialAdamW
-from mtbert.step.fused_model import FUSABLE_MODEL_TYPES, FusedModel, stack_batches
-from mtbert.techniques.gradients import pcgrad_backward, random_orders, trial_orders
-from mtbert.techniques.losses import stack_combiners, weight_penalty
+from mtbert.step.fused_model import FUSABLE_MODEL_TYPES
 from mtbert.core.pretrained import load_model_config
-from mtbert.techniques.smart import TrialAxisSmart
-from mtbert.step.step_engine import EagerStep
-from mtbert.step.step_graphs import reached_parameters
+from mtbert.step.stacked_trials import StackedTrials
+from mtbert.step.step_engine import EagerStep, OneTrial
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.step.trainer import Trainer
 from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
@@ -128,205 +107,24 @@ def eager(cfg: TrainConfig) -> TrainConfig:
     return cfg if cfg.step_mode == "eager" else cfg.replace(step_mode="eager")
 
 
-class FusedStep:
-    """The fused step engine (:mod:`mtbert.step.step_engine`) of N trials of one structure: their
-    models stacked (:class:`~mtbert.step.fused_model.FusedModel`; each trial model's parameters
-    become views of its slice) and one per-trial AdamW (:class:`TrialAdamW`) whose moments
-    each trial's own optimizer holds as views too, so that each trial's evaluation,
-    checkpoint and predictions read the fused state.  Built from the trials' state as it
-    is (fresh, resumed, or views of an earlier engine's, which this one copies);
-    :func:`own_tensors` gives a leaving trial its own tensors back.  ``streams``: the
-    trials' random streams."""
-
-    def __init__(self, trials: list[TrialRun], streams: TrialStreams):
-        self.trials = list(trials)
-        self.slot = {trial: n for n, trial in enumerate(self.trials)}
-        first = self.trials[0]
-        self.cfg, self.device, self.n = first.cfg, first.device, len(self.trials)
-        self.pad_id = first.data.pad_id
-        models = [t.model for t in self.trials]
-        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
-        self.fused.bind(models)
-        self.smart = (TrialAxisSmart(self.fused, [t.regulariser for t in self.trials],
-                                     streams, self.trials, self.cfg)
-                      if first.regulariser is not None else None)
-        self.streams = streams
-        shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
-        #: the stacked encoder parameters PCGrad projects (None: no PCGrad)
-        self.pcgrad_shared = ([self.fused.params[k] for k, p in
-                               self.fused.skeleton.named_parameters() if id(p) in shared]
-                              if self.cfg.pcgrad else None)
-        #: the trials' loss weighting over the trial axis (:func:`mtbert.techniques.losses.stack_combiners`)
-        self.weighting = stack_combiners([t.loss_combiner for t in self.trials], self.device)
-        #: name -> every stacked leaf the fused AdamW trains (the models', the loss weights')
-        self.trained = {**self.fused.params, **combiner_parameters(self.weighting)}
-        self._build_optimizer()
-        self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
-        self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._pattern_cache: dict[tuple, dict] = {}
-        self.timings = {"steps": 0, "step_s": 0.0}
-
-    def _build_optimizer(self) -> None:
-        """The per-trial AdamW over the stacked parameters, its groups those of the trials'
-        own optimizers (named alike in every trial); each trial's optimizer then holds views
-        of its slices of the moments and step counts (the state it held is taken in first)."""
-        def trial_parameters(trial):
-            return {**dict(trial.model.named_parameters()),
-                    **combiner_parameters(trial.loss_combiner)}
-
-        first = self.trials[0]
-        ids = {id(p): name for name, p in trial_parameters(first).items()}
-        group_of = {ids[id(p)]: g for g, group in enumerate(first.optimizer.param_groups)
-                    for p in group["params"] if id(p) in ids}
-        if len(group_of) != len(self.trained):
-            raise ValueError("a fused trial's optimizer holds parameters outside its model "
-                             "and loss weighting")
-        self.group_of = group_of
-        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
-        # per-trial values the update reads, on the device: [G, N] rates, [N] clip norms
-        self.weight_decays = torch.tensor(self._per_group("weight_decay"), dtype=torch.float64,
-                                          device=self.device)
-        self.lrs = torch.zeros_like(self.weight_decays)
-        self.max_norms = torch.tensor([float(t.cfg.max_grad_norm) for t in self.trials],
-                                      dtype=torch.float64, device=self.device)
-        for n, trial in enumerate(self.trials):
-            own = trial_parameters(trial)
-            for name, state in self.optimizer.state.items():
-                held = trial.optimizer.state.get(own[name])
-                if held:  # resumed, or from an earlier engine: its state goes in
-                    for key in STATE_KEYS:
-                        state[key][n].copy_(held[key])
-                trial.optimizer.state[own[name]] = {key: state[key][n] for key in STATE_KEYS}
-        for trial in self.trials:
-            # its LR schedule steps while its own optimizer never does (the fused one steps
-            # for it): torch's warning about that order does not apply
-            trial.optimizer._opt_called = True
-
-    def _per_group(self, key: str) -> list[list[float]]:
-        """``[G][N]``: each trial's ``key`` of each of its optimizer's groups (its LR
-        schedule writes ``lr`` there before every step)."""
-        return [[float(t.optimizer.param_groups[g][key]) for t in self.trials]
-                for g in range(len(self.trials[0].optimizer.param_groups))]
-
-    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
-        """One fused optimizer step: each trial in ``batches`` trains on its host batches
-        ({task: batch}); the others do not move.  Each stepping trial's task losses."""
-        started = time.perf_counter()
-        stepping = {self.slot[t]: b for t, b in batches.items()}
-        tasks = [t for t in TASK_NAMES if any(t in b for b in stepping.values())]
-        pattern = self._pattern(stepping)
-        present, stepping_mask = pattern["present"], pattern["stepping"]
-        losses, summed = {}, {}  # task -> [N] losses; its weighted loss summed over trials
-        if self.smart is not None:
-            self.smart.draw_noise(stepping)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.trials[0].autocast):
-            for task in tasks:
-                host = stack_batches([stepping.get(n, {}).get(task) for n in range(self.n)],
-                                     self.pad_id)
-                host = to_device(host, self.device)
-                per_trial = (self.smart.task_losses(task, host) if self.smart is not None
-                             else self.fused.task_losses(task, host, self.cfg))
-                losses[task] = per_trial
-                weighted = self.weighting.weighted({task: per_trial})[task]
-                if task not in self.reach:
-                    reached = reached_parameters(weighted)
-                    self.reach[task] = {k for k, p in self.trained.items() if id(p) in reached}
-                summed[task] = (weighted * present[task].to(weighted.dtype)).sum()
-            penalty = weight_penalty([self.fused.params[k] for k in self.fused.penalised],
-                                     self.weighting.l1, self.weighting.l2, trial_axis=True)
-            extra = (None if penalty is None
-                     else (penalty * stepping_mask.to(penalty.dtype)).sum())
-        if self.pcgrad_shared is not None:
-            pcgrad_backward(summed, self.pcgrad_shared, extra,
-                            self._pcgrad_orders(summed, stepping), trials=self.n)
-        else:
-            (sum(summed.values()) + (0.0 if extra is None else extra)).backward()
-        masks = self._masks(pattern, penalty is not None)
-        self.optimizer.clip_(self.max_norms, masks)
-        # each trial's LR schedule wrote its rates into its own optimizer: one copy in
-        self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
-        self.optimizer.step(self.lrs, self.weight_decays, masks)
-        if self.smart is not None:
-            self.smart.after_step(stepping_mask)
-        # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
-        # views of them too); which slices step is the masks' business
-        torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
-        self.timings["steps"] += 1
-        self.timings["step_s"] += time.perf_counter() - started
-        return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
-                for trial, trial_batches in batches.items()}
-
-    def _pcgrad_orders(self, summed: dict[str, torch.Tensor], stepping: dict[int, dict]):
-        """Each trial's PCGrad task orders over its own tasks in the step, drawn from its own
-        stream as its solo run draws them (:func:`mtbert.techniques.gradients.trial_orders`)."""
-        def draw(n: int, count: int) -> list[list[int]]:
-            with self.streams.of(self.trials[n]):
-                return random_orders(count)
-
-        return trial_orders(list(summed), [list(stepping[n]) if n in stepping else None
-                                           for n in range(self.n)], draw, self.device)
-
-    def _pattern(self, stepping: dict[int, dict]) -> dict:
-        """Which trials step which tasks, as device tensors made once per pattern (the
-        patterns are few: the schedules' task sets): ``present`` task -> ``[N]`` bool,
-        ``stepping`` ``[N]`` bool, ``key`` the pattern."""
-        key = tuple(frozenset(stepping[n]) if n in stepping else None for n in range(self.n))
-        if key not in self._pattern_cache:
-            self._pattern_cache[key] = {
-                "key": key,
-                "present": {t: torch.tensor([k is not None and t in k for k in key],
-                                            device=self.device) for t in TASK_NAMES},
-                "stepping": torch.tensor([k is not None for k in key], device=self.device)}
-        return self._pattern_cache[key]
-
-    def _masks(self, pattern: dict, penalty: bool) -> dict[str, torch.Tensor]:
-        """name -> ``[N]`` 0/1 on the device: the trials whose step reached the parameter
-        (their own tasks' losses, and the L1/L2 penalty's parameters in every stepping
-        trial); made once per pattern."""
-        key = (penalty, pattern["key"])
-        if key not in self._mask_cache:
-            penalised = set(self.fused.penalised) if penalty else set()
-            reached = [set().union(*(self.reach[t] for t in tasks)) | penalised
-                       if tasks is not None else set() for tasks in pattern["key"]]
-            self._mask_cache[key] = {
-                name: torch.tensor([float(name in reached[n]) for n in range(self.n)],
-                                   device=self.device) for name in self.trained}
-        return self._mask_cache[key]
-
-
-class GroupOfOneStep:
-    """The engine of a group of one trial: its solo run's eager step
-    (:class:`~mtbert.step.step_engine.EagerStep`: N = 1 skips the trial axis, as HFTA's B = 0 is
-    the plain module), on its own random stream, its tensors its own (copies of its slices
-    of the fused engine it leaves, if any): the same ops, draws and arithmetic as the solo
-    run.  A trial that joins re-forms the group into a :class:`FusedStep`, which takes this
-    trial's state in as it is."""
-
-    def __init__(self, trial: TrialRun, streams: TrialStreams):
-        own_tensors(trial)
-        self.trial, self.streams = trial, streams
-        self.eager = EagerStep(trial)
-
-    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
-        with self.streams.of(self.trial):
-            return self.eager.step(batches)
-
-
-#: the prefix of a loss combiner's parameters among a fused step's trained tensors
-LOSS_WEIGHTING = "loss_weighting."
-
-
-def combiner_parameters(combiner: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """A loss combiner's parameters (uncertainty's s_t), named as a fused step names them
-    among its trained tensors."""
-    return {LOSS_WEIGHTING + k: p for k, p in combiner.named_parameters()}
+def group_step(trials: list[TrialRun], streams: TrialStreams) -> EagerStep:
+    """The engine of a group's trials: the eager step (:mod:`mtbert.step.step_engine`) of
+    their stack (:class:`~mtbert.step.stacked_trials.StackedTrials`) or, for a group of
+    one, of the trial alone on its own random stream (:class:`~mtbert.step.step_engine.OneTrial`:
+    N = 1 skips the trial axis, as HFTA's B = 0 is the plain module; its tensors its own,
+    copies of its slices of the stack it leaves, if any): then the same ops, draws and
+    arithmetic as its solo run.  A trial that joins re-forms the group, and the next
+    stack takes each trial's state in as it is."""
+    if len(trials) == 1:
+        own_tensors(trials[0])
+        return EagerStep(OneTrial(trials[0], streams))
+    return EagerStep(StackedTrials(trials, streams))
 
 
 def own_tensors(trial: TrialRun) -> None:
     """``trial``'s model weights, loss weights, SMART teacher and optimizer state become
-    tensors of its own (copies of its slices of a :class:`FusedStep`'s), which no engine
-    steps."""
+    tensors of its own (copies of its slices of a :class:`~mtbert.step.stacked_trials.StackedTrials`'),
+    which no engine steps."""
     with torch.no_grad():
         for p in [*trial.model.parameters(), *trial.loss_combiner.parameters()]:
             p.data = p.data.clone()
@@ -357,7 +155,7 @@ class TrialEnd:
 
 
 class FusedGroup:
-    """Trials of one structure trained together, one :class:`FusedStep` for all (see the
+    """Trials of one structure trained together, one engine for all (see the
     module doc).  Step-driven: :meth:`step_once` / :meth:`run_steps` step every trial in
     the group once; between steps a trial may join (:meth:`add`), leave (:meth:`remove`)
     or pause (:meth:`pause`), and the group re-forms at its next step.  A trial that ends
@@ -375,7 +173,7 @@ class FusedGroup:
         self.ended: dict[Hashable, TrialEnd] = {}
         self.joined: list[Hashable] = []            # every id the group has held, in order
         self.key: tuple | None = None
-        self.engine: FusedStep | None = None        # None: (re-)formed at the next step
+        self.engine: EagerStep | None = None        # None: (re-)formed at the next step
         self._started: set[Hashable] = set()
         self.streams = TrialStreams()  # each trial's random stream
         for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
@@ -493,9 +291,7 @@ class FusedGroup:
         if not batches:
             return ended
         if self.engine is None:
-            members = list(self.trials.values())
-            self.engine = (FusedStep(members, self.streams) if len(members) > 1
-                           else GroupOfOneStep(members[0], self.streams))
+            self.engine = group_step(list(self.trials.values()), self.streams)
         losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
         for trial_id in batches:
             trial = self.trials[trial_id]

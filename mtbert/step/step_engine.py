@@ -3,19 +3,27 @@
 An engine's one method, ``step({trial: batches}) -> {trial: {task: loss}}``, trains one
 optimizer step of each trial given, on that trial's host ``batches`` ({task: batch}), and
 returns its task losses (device tensors, not read on the host); the trial then counts the
-step (:meth:`mtbert.trial_run.TrialRun.stepped`).  Three engines:
+step (:meth:`mtbert.run.trial_run.TrialRun.stepped`).  Two engines:
 
-* :class:`EagerStep` (here): one trial, the step as autograd runs it (any technique);
-* :class:`~mtbert.step_graphs.StepGraphs`: one trial, the step from captured CUDA graphs;
-* :class:`~mtbert.fused_training.FusedStep`: N trials of one structure, one ``vmap``-ed
-  step over their stacked weights.
+* :class:`EagerStep` (here): the step as autograd runs it, of one trial or of N trials of
+  one structure stacked on a trial axis.  The step's order -- each task's loss, the L1/L2
+  penalty, the gradient combiner's backward, the update -- is written once, in
+  :meth:`EagerStep.step`; what one trial and N trials do differently is behind
+  :class:`TrialParts`: :class:`OneTrial` (here; N = 1 skips the trial axis, as HFTA's
+  B = 0 is the plain module: the trial's own model, torch's clipping and AdamW) and
+  :class:`~mtbert.step.stacked_trials.StackedTrials` (N >= 2: the stacked model, the
+  per-trial AdamW).  Each technique's math is the same module's for both
+  (docs/architecture.md, "Where each technique's math lives").
+* :class:`~mtbert.step.step_graphs.StepGraphs`: one trial, the step from captured CUDA
+  graphs.
 
-:func:`task_loss_terms` is the per-task loss the one-model engines differentiate.
+:func:`task_loss_terms` is one trial's per-task loss, which the graphed step captures too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import contextlib
+from typing import TYPE_CHECKING, ContextManager, Protocol
 
 import torch
 
@@ -23,6 +31,7 @@ from mtbert.core.devices import to_device
 from mtbert.techniques.losses import batch_loss
 
 if TYPE_CHECKING:
+    from mtbert.core.trial_streams import TrialStreams
     from mtbert.run.trial_run import Batches, TrialRun
 
 
@@ -32,12 +41,59 @@ class StepEngine(Protocol):
         task losses."""
 
 
+class TrialParts(Protocol):
+    """What :class:`EagerStep` asks of the trials it steps, one step at a time."""
+
+    def random_stream(self) -> ContextManager:
+        """Where the step runs: one trial's own random stream in a group, else as it is."""
+
+    def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
+        """A step of the trials in ``batches`` begins; the tasks it trains, in the order
+        their losses are taken."""
+
+    def task_loss(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``task``'s batch forward: (its loss as the trials note it -- a scalar, or ``[N]``
+        --; its weighted term to differentiate, summed over the trials stepping it)."""
+
+    def penalty(self) -> torch.Tensor | None:
+        """The L1/L2 weight penalty of the stepping trials, summed; None when off."""
+
+    def backward(self, terms: dict[str, torch.Tensor], penalty: torch.Tensor | None) -> None:
+        """The gradient combiner's backward (plain sum or PCGrad) of ``terms`` + penalty."""
+
+    def update(self) -> None:
+        """Clipping, AdamW, the SMART teacher's EMA; the gradients cleared for the next."""
+
+    def losses_of(self, losses: dict[str, torch.Tensor],
+                  batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        """Each stepping trial's task losses, from the step's ``losses``."""
+
+
+class EagerStep:
+    """The eager step engine, of one trial or N stacked ones (``parts``): the step's order,
+    written once for both."""
+
+    def __init__(self, parts: TrialParts):
+        self.parts = parts
+
+    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+        parts = self.parts
+        with parts.random_stream():
+            losses, terms = {}, {}
+            for task in parts.begin(batches):
+                losses[task], terms[task] = parts.task_loss(task)
+            parts.backward(terms, parts.penalty())
+            parts.update()
+        return parts.losses_of(losses, batches)
+
+
 def task_loss_terms(trial: TrialRun, task: str, batch: dict[str, torch.Tensor],
                     cast_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One task batch on ``trial``'s model in training mode: (the task loss, as the trial
     notes it; the loss weighting's term for it, the one to differentiate).  The forward,
-    task loss and SMART term are :func:`mtbert.losses.batch_loss`'s, under bf16 autocast on
-    CUDA; ``cast_cache=False`` inside a CUDA-graph capture (the casts are captured too)."""
+    task loss and SMART term are :func:`mtbert.techniques.losses.batch_loss`'s, under bf16
+    autocast on CUDA; ``cast_cache=False`` inside a CUDA-graph capture (the casts are
+    captured too)."""
     trial.model.train()
     with torch.autocast(trial.device.type, dtype=torch.bfloat16, enabled=trial.autocast,
                         cache_enabled=cast_cache):
@@ -45,32 +101,48 @@ def task_loss_terms(trial: TrialRun, task: str, batch: dict[str, torch.Tensor],
     return loss, trial.loss_combiner.weighted({task: loss})[task]
 
 
-class EagerStep:
-    """One trial's eager step: the task losses, the gradient combiner's backward (plain
-    sum or PCGrad) with the L1/L2 penalty, clipping, AdamW, the SMART teacher's EMA."""
+class OneTrial:
+    """One trial's parts of the step (no trial axis): its model and loss weighting, its
+    gradient combiner, torch's ``clip_grad_norm_`` and AdamW (its optimizer), its SMART
+    teacher's EMA.  ``streams``: where the trial is a group of one, the group's random
+    streams, the step running on the trial's own; else torch's global stream."""
 
-    def __init__(self, trial: TrialRun):
-        self.trial = trial
+    def __init__(self, trial: TrialRun, streams: TrialStreams | None = None):
+        self.trial, self.streams = trial, streams
+        self.batches: Batches = {}
 
-    def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
+    def random_stream(self) -> ContextManager:
+        return self.streams.of(self.trial) if self.streams is not None else contextlib.nullcontext()
+
+    def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
         (trial, host), = batches.items()
-        return {trial: self.train({t: to_device(b, trial.device) for t, b in host.items()})}
-
-    def train(self, batches: Batches) -> dict[str, torch.Tensor]:
-        """One optimizer step on device ``batches``; the task losses."""
-        t = self.trial
-        if t.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
+        if trial is not self.trial:
+            raise ValueError("a one-trial step was given another trial's batches")
+        if trial.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
             torch.compiler.cudagraph_mark_step_begin()
-        t.optimizer.zero_grad(set_to_none=True)
-        losses, weighted = {}, {}
-        for task, batch in batches.items():
-            losses[task], weighted[task] = task_loss_terms(t, task, batch)
-        penalty = t.loss_combiner.penalty(t.model)
-        t.grad_combiner.backward(weighted, t.model.shared_parameters(), penalty)
+        trial.optimizer.zero_grad(set_to_none=True)
+        self.batches = {task: to_device(b, trial.device) for task, b in host.items()}
+        return list(self.batches)
+
+    def task_loss(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return task_loss_terms(self.trial, task, self.batches[task])
+
+    def penalty(self) -> torch.Tensor | None:
+        return self.trial.loss_combiner.penalty(self.trial.model)
+
+    def backward(self, terms: dict[str, torch.Tensor], penalty: torch.Tensor | None) -> None:
+        t = self.trial
+        t.grad_combiner.backward(terms, t.model.shared_parameters(), penalty)
+
+    def update(self) -> None:
+        t = self.trial
         if t.cfg.max_grad_norm:
             params = [p for g in t.optimizer.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, t.cfg.max_grad_norm)
         t.optimizer.step()
         if t.regulariser is not None:
             t.regulariser.after_step(t.model)
-        return losses
+        self.batches = {}
+
+    def losses_of(self, losses, batches):
+        return {self.trial: losses}

@@ -4,7 +4,8 @@ engine (:mod:`mtbert.step.step_engine`). No Ray here.
 The :class:`Trainer` is the one-trial run the command line (``python -m mtbert.train``)
 and the search's trainable build: the trial's state and bookkeeping are the
 :class:`~mtbert.run.trial_run.TrialRun`'s (data order, schedule, counters, evaluations,
-checkpoints, reports, NaN check); the step is eager (:class:`~mtbert.step.step_engine.EagerStep`)
+checkpoints, reports, NaN check); the step is eager -- the
+:class:`~mtbert.step.step_engine.EagerStep` of the one trial, as a group of one steps it --
 or from captured CUDA graphs (``step_mode``, :class:`~mtbert.step.step_graphs.StepGraphs`),
 which a worker keeps for its next trial of the same structure (:mod:`mtbert.run.graph_reuse`).
 Several trials trained at once are :mod:`mtbert.step.fused_training`'s.
@@ -21,7 +22,7 @@ from mtbert.core.config import TrainConfig
 from mtbert.data import MultitaskData, real_rows
 from mtbert.core.devices import resolve_device
 from mtbert.model.model import MultitaskModel
-from mtbert.step.step_engine import EagerStep
+from mtbert.step.step_engine import EagerStep, OneTrial
 from mtbert.step.step_graphs import StepGraphs, eager_reason, graphs_wanted
 from mtbert.run.trial_run import (Batches, NonFiniteLossError, ReportFn, TrialRun,  # noqa: F401
                               next_eval_point)
@@ -45,7 +46,7 @@ class Trainer(TrialRun):
                          threads_wanted=threads_wanted,
                          graphs=graphs, kept=kept)
         self._reusable = model is None  # a caller's own model is not left for another
-        self.eager_step = EagerStep(self)
+        self.eager_step = EagerStep(OneTrial(self))
         # step_mode=graphs: the step from captured CUDA graphs (after any restore: it takes
         # the optimizer's param groups as they are then)
         self.step_graphs = (StepGraphs(self, log=self.log,
@@ -114,5 +115,5 @@ class Trainer(TrialRun):
     def optimizer_step(self, batches: Batches) -> None:
         """One eager optimizer step on device ``batches`` ({task: batch}); counts no
         examples (``train_batches`` does, and takes the graphed step where it runs)."""
-        self.count_update(self.eager_step.train(batches))
+        self.count_update(self.eager_step.step({self: batches})[self])
 

@@ -130,15 +130,21 @@ def trial_orders(tasks: list[str], trial_tasks: list[list[str] | None], draw,
 
 
 class GradientCombiner:
+    """The backward of a step's task losses (+ ``extra``, the penalty) into ``shared``'s
+    gradients; ``orders`` and ``trials`` as :func:`pcgrad_backward` takes them (one model's
+    parameters, or N trials' stacked ones)."""
+
     def backward(self, losses: dict[str, torch.Tensor], shared: list[nn.Parameter],
-                 extra: torch.Tensor | None = None) -> None:
+                 extra: torch.Tensor | None = None,
+                 orders: Sequence[Sequence[Other]] | None = None,
+                 trials: int | None = None) -> None:
         raise NotImplementedError
 
 
 class SumGradients(GradientCombiner):
-    """Plain backpropagation of Σ_i L_i (+ extra)."""
+    """Plain backpropagation of Σ_i L_i (+ extra); one model's or N trials' alike."""
 
-    def backward(self, losses, shared, extra=None):
+    def backward(self, losses, shared, extra=None, orders=None, trials=None):
         total = sum(losses.values())
         if extra is not None:
             total = total + extra
@@ -207,8 +213,8 @@ def pcgrad_backward(losses: dict[str, torch.Tensor], shared: list[torch.Tensor],
 class PCGradGradients(GradientCombiner):
     """PCGrad on the shared parameters, ordinary gradients elsewhere (see module doc)."""
 
-    def backward(self, losses, shared, extra=None):
-        pcgrad_backward(losses, shared, extra)
+    def backward(self, losses, shared, extra=None, orders=None, trials=None):
+        pcgrad_backward(losses, shared, extra, orders, trials)
 
 
 def build_gradient_combiner(cfg) -> GradientCombiner:
