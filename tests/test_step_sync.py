@@ -4,9 +4,11 @@ built, neither the solo eager step nor the fused step reads a value back to the 
 device and cannot be captured).  Counted with a ``TorchDispatchMode`` over the steady
 steps of a tiny BERT, plain, SMART and PCGrad with uncertainty weighting.
 
-What the fused step still builds from host values each step (not checked here; #58,
-docs/architecture.md): the stacked host batch (data, copied in) and the learning rates
-its trials' LR schedules wrote (one ``[G, N]`` copy)."""
+What the stacked step takes from the host each step -- each task's stacked batch, the
+learning rates its trials' LR schedules wrote (one ``[G, N]`` copy), PCGrad's task orders,
+SMART's noise -- it takes in its first part (``StackedTrials.begin``), as a captured step
+takes its inputs: after it, the step builds no tensor from host values (no
+``lift_fresh``, what ``torch.tensor(host values)`` dispatches)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,16 @@ TECHNIQUES = {
 
 
 class OpNames(TorchDispatchMode):
+    """The aten ops dispatched while it is entered and ``counting``."""
+
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.counting = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        if self.counting:
+            self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -80,3 +86,29 @@ def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, techn
     assert sum(fused.counts.values()) > 1000 and sum(solo.counts.values()) > 500
     assert not READ_BACK & fused.counts.keys(), {k: fused.counts[k] for k in READ_BACK}
     assert not READ_BACK & solo.counts.keys(), {k: solo.counts[k] for k in READ_BACK}
+
+
+@pytest.mark.parametrize("technique", list(TECHNIQUES))
+def test_after_its_inputs_the_stacked_step_builds_no_tensor_from_host_values(
+        tiny_config, tmp_path, technique):
+    cfgs = _cfgs(tiny_config, 2, **TECHNIQUES[technique])
+    data = load_data(cfgs[0])
+    group = FusedGroup()
+    for i, cfg in enumerate(cfgs):
+        group.add(TrialRun(cfg, data, tmp_path / str(i)))
+    group.run_steps(3)  # the engine built, its caches filled
+    names = OpNames()
+    parts = group.engine.parts
+    begin = parts.begin
+
+    def begin_uncounted(batches):
+        names.counting = False
+        try:
+            return begin(batches)
+        finally:
+            names.counting = True
+    parts.begin = begin_uncounted
+    _watched(group.engine, names)
+    group.run_steps(3)
+    assert sum(names.counts.values()) > 1000
+    assert names.counts["lift_fresh"] == 0, names.counts

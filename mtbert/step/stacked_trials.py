@@ -77,8 +77,12 @@ class StackedTrials:
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
         self._pattern_cache: dict[tuple, dict] = {}
-        self.stepping: dict[int, Batches] = {}  # this step's: slot -> host batches
+        # this step's inputs (:meth:`begin`): slot -> host batches; its pattern; task ->
+        # stacked device batch; PCGrad's task orders
+        self.stepping: dict[int, Batches] = {}
         self.pattern: dict = {}
+        self.batches: dict[str, dict[str, torch.Tensor]] = {}
+        self.orders = None
         self.penalised = False
 
     def _build_optimizer(self) -> None:
@@ -128,23 +132,31 @@ class StackedTrials:
         return contextlib.nullcontext()  # each trial's draws are taken on its own stream
 
     def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
-        """The trials in ``batches`` step (the others do not move): which trials step
-        which tasks, each stepping trial's SMART noise drawn."""
+        """The trials in ``batches`` step (the others do not move).  Every host value the
+        step reads goes to the device here, before its first op (what a captured step
+        takes as its inputs): which trials step which tasks, each task's stacked batch,
+        the rates the trials' LR schedules wrote, each stepping trial's draws (SMART's
+        noise, then PCGrad's task orders, in the order its solo run draws them)."""
         self.stepping = {self.slot[t]: b for t, b in batches.items()}
         self.pattern = self._pattern(self.stepping)
+        tasks = [t for t in TASK_NAMES if any(t in b for b in self.stepping.values())]
+        self.batches = {
+            task: to_device(stack_batches([self.stepping.get(n, {}).get(task)
+                                           for n in range(self.n)], self.pad_id), self.device)
+            for task in tasks}
+        self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
         if self.smart is not None:
             self.smart.draw_noise(self.stepping)
-        return [t for t in TASK_NAMES if any(t in b for b in self.stepping.values())]
+        self.orders = self._pcgrad_orders(tasks) if self.cfg.pcgrad else None
+        return tasks
 
     def task_loss(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N]`` losses of ``task`` (filler rows where a trial has none); the weighted
         ones of the trials stepping ``task``, summed."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            host = stack_batches([self.stepping.get(n, {}).get(task) for n in range(self.n)],
-                                 self.pad_id)
-            host = to_device(host, self.device)
-            per_trial = (self.smart.task_losses(task, host) if self.smart is not None
-                         else self.fused.task_losses(task, host, self.cfg))
+            batch = self.batches[task]
+            per_trial = (self.smart.task_losses(task, batch) if self.smart is not None
+                         else self.fused.task_losses(task, batch, self.cfg))
             weighted = self.weighting.weighted({task: per_trial})[task]
             if task not in self.reach:
                 reached = reached_parameters(weighted)
@@ -162,36 +174,34 @@ class StackedTrials:
             return (penalty * self.pattern["stepping"].to(penalty.dtype)).sum()
 
     def backward(self, terms: dict[str, torch.Tensor], penalty: torch.Tensor | None) -> None:
-        orders = self._pcgrad_orders(terms) if self.cfg.pcgrad else None
-        self.grad_combiner.backward(terms, self.shared, penalty, orders, trials=self.n)
+        self.grad_combiner.backward(terms, self.shared, penalty, self.orders, trials=self.n)
 
     def update(self) -> None:
         masks = self._masks(self.pattern, self.penalised)
         self.optimizer.clip_(self.max_norms, masks)
-        # each trial's LR schedule wrote its rates into its own optimizer: one copy in
-        self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
         self.optimizer.step(self.lrs, self.weight_decays, masks)
         if self.smart is not None:
             self.smart.after_step(self.pattern["stepping"])
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
         torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
-        self.stepping = {}
+        self.stepping, self.batches, self.orders = {}, {}, None
 
     def losses_of(self, losses, batches):
         return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
                 for trial, trial_batches in batches.items()}
 
     # ------------------------------------------------------------------ helpers
-    def _pcgrad_orders(self, terms: dict[str, torch.Tensor]):
-        """Each trial's PCGrad task orders over its own tasks in the step, drawn from its own
-        stream as its solo run draws them (:func:`mtbert.techniques.gradients.trial_orders`)."""
+    def _pcgrad_orders(self, tasks: list[str]):
+        """Each trial's PCGrad task orders over its own tasks in the step (``tasks``: the
+        step's, in the order of its losses), drawn from its own stream as its solo run
+        draws them (:func:`mtbert.techniques.gradients.trial_orders`)."""
         def draw(n: int, count: int) -> list[list[int]]:
             with self.streams.of(self.trials[n]):
                 return random_orders(count)
 
-        return trial_orders(list(terms), [list(self.stepping[n]) if n in self.stepping
-                                          else None for n in range(self.n)], draw, self.device)
+        return trial_orders(tasks, [list(self.stepping[n]) if n in self.stepping
+                                    else None for n in range(self.n)], draw, self.device)
 
     def _pattern(self, stepping: dict[int, dict]) -> dict:
         """Which trials step which tasks, as device tensors made once per pattern (the
