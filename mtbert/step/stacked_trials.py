@@ -146,7 +146,7 @@ class StackedTrials:
             for task in tasks}
         self.lrs.copy_(torch.tensor(self._per_group("lr"), dtype=torch.float64))
         if self.smart is not None:
-            self.smart.draw_noise(self.stepping)
+            self.smart.draw_noise(self.stepping, self.batches)
         self.orders = self._pcgrad_orders(tasks) if self.cfg.pcgrad else None
         return tasks
 

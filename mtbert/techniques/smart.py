@@ -431,13 +431,18 @@ class TrialAxisSmart:
         self._noise: dict[str, dict[int, list[torch.Tensor]]] = {}
 
     # -------------------------------------------------------------- noise
-    def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
-        """ν ~ N(0, σ_n² I) for every trial's task batches of this step (host batches), from
-        the trial's stream, in its solo shape and order (its tasks, then ``a`` before ``b``)."""
+    def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]],
+                   stacked: dict[str, dict[str, torch.Tensor]]) -> None:
+        """ν ~ N(0, σ_n² I) for every trial's task batches of this step (``batches``: slot ->
+        its host batches), from the trial's stream, in its solo shape and order (its tasks,
+        then ``a`` before ``b``), placed in the stacked batch's shape (``stacked``: task ->
+        the step's stacked batch; 0 in the padding and where a trial lacks the task): the
+        step's noise, drawn before its first op as the rest of its inputs are."""
         self._noise = {}
         if not any(self.lambda_on.values()):
             return
         hidden, dtype = self.embedding.shape[-1], self.embedding.dtype
+        device = self.embedding.device
         for n, trial_batches in batches.items():
             with self.streams.of(self.trials[n]):
                 for task, batch in trial_batches.items():
@@ -446,18 +451,19 @@ class TrialAxisSmart:
                     keys = (["input_ids_a", "input_ids_b"]
                             if encoding_for(task, self.cfg.pair_encoding) == "siamese"
                             else ["input_ids"])
-                    self._noise.setdefault(task, {})[n] = [
-                        torch.randn(batch[k].shape + (hidden,), dtype=dtype,
-                                    device=self.embedding.device) * self.noise_std[n]
-                        for k in keys]
+                    noise = self._noise.setdefault(task, {})
+                    for place, k in enumerate(keys):
+                        if place not in noise:
+                            noise[place] = torch.zeros(stacked[task][k].shape + (hidden,),
+                                                       dtype=dtype, device=device)
+                        rows, width = batch[k].shape
+                        noise[place][n, :rows, :width] = torch.randn(
+                            (rows, width, hidden), dtype=dtype, device=device) * self.noise_std[n]
 
     def _initial_noise(self, task: str, key: str, x: torch.Tensor) -> torch.Tensor:
-        """The drawn ν of each trial placed in the stacked (padded) shape; 0 elsewhere."""
-        nu = torch.zeros_like(x)
-        place = {"input": 0, "a": 0, "b": 1}[key]  # the order draw_noise drew them in
-        for n, parts in self._noise.get(task, {}).items():
-            nu[n, :parts[place].shape[0], :parts[place].shape[1]] = parts[place]
-        return nu
+        """The step's drawn ν for ``key``'s embeddings ``x`` (``[N, rows, tokens, hidden]``)."""
+        nu = self._noise.get(task, {}).get({"input": 0, "a": 0, "b": 1}[key])
+        return torch.zeros_like(x) if nu is None else nu.to(x.dtype)
 
     # -------------------------------------------------------------- the term
     def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
