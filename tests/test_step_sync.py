@@ -64,14 +64,21 @@ def _watched(engine, names: OpNames):
     engine.step = watched
 
 
-@pytest.mark.parametrize("technique", list(TECHNIQUES))
-def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, technique):
+def _steady_group(tiny_config, tmp_path, technique):
+    """(configs, data, a fused group of two trials of ``technique``) after three steps:
+    its engine built, its caches filled."""
     cfgs = _cfgs(tiny_config, 2, **TECHNIQUES[technique])
     data = load_data(cfgs[0])
     group = FusedGroup()
     for i, cfg in enumerate(cfgs):
         group.add(TrialRun(cfg, data, tmp_path / str(i)))
-    group.run_steps(3)  # the engine built, its caches filled
+    group.run_steps(3)
+    return cfgs, data, group
+
+
+@pytest.mark.parametrize("technique", list(TECHNIQUES))
+def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, technique):
+    cfgs, data, group = _steady_group(tiny_config, tmp_path, technique)
     fused = OpNames()
     _watched(group.engine, fused)
     group.run_steps(3)
@@ -91,12 +98,7 @@ def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, techn
 @pytest.mark.parametrize("technique", list(TECHNIQUES))
 def test_after_its_inputs_the_stacked_step_builds_no_tensor_from_host_values(
         tiny_config, tmp_path, technique):
-    cfgs = _cfgs(tiny_config, 2, **TECHNIQUES[technique])
-    data = load_data(cfgs[0])
-    group = FusedGroup()
-    for i, cfg in enumerate(cfgs):
-        group.add(TrialRun(cfg, data, tmp_path / str(i)))
-    group.run_steps(3)  # the engine built, its caches filled
+    _, _, group = _steady_group(tiny_config, tmp_path, technique)
     names = OpNames()
     parts = group.engine.parts
     begin = parts.begin
