@@ -73,6 +73,9 @@ class StackedTrials:
         self.weighting = stack_combiners([t.loss_combiner for t in self.trials], self.device)
         #: name -> every stacked leaf the per-trial AdamW trains (the models', the loss weights')
         self.trained = {**self.fused.params, **combiner_parameters(self.weighting)}
+        #: whether the L1/L2 penalty is on (then it reaches its parameters in every trial)
+        self.penalised = bool(self.fused.penalised) and bool(self.weighting.l1
+                                                               or self.weighting.l2)
         self._build_optimizer()
         self.reach: dict[str, set[str]] = {}  # task -> names of the parameters its loss reaches
         self._mask_cache: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -83,7 +86,6 @@ class StackedTrials:
         self.pattern: dict = {}
         self.batches: dict[str, dict[str, torch.Tensor]] = {}
         self.orders = None
-        self.penalised = False
 
     def _build_optimizer(self) -> None:
         """The per-trial AdamW over the stacked parameters, its groups those of the trials'
@@ -168,7 +170,6 @@ class StackedTrials:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             penalty = weight_penalty([self.fused.params[k] for k in self.fused.penalised],
                                      self.weighting.l1, self.weighting.l2, trial_axis=True)
-            self.penalised = penalty is not None
             if penalty is None:
                 return None
             return (penalty * self.pattern["stepping"].to(penalty.dtype)).sum()

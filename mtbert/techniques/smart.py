@@ -428,7 +428,9 @@ class TrialAxisSmart:
         name = next(k for k, p in skeleton.named_parameters() if p is table)
         self.embedding = fused.params[name]  # [N, vocab, hidden]: the noise's dtype and width
         self.rng = EagerRngReplay()
-        self._noise: dict[str, dict[int, list[torch.Tensor]]] = {}
+        #: this step's ν: task -> its input's place (0, or 1 for ``b``) -> ``[N, rows,
+        #: tokens, hidden]`` in the stacked batch's shape (:meth:`draw_noise`)
+        self._noise: dict[str, dict[int, torch.Tensor]] = {}
 
     # -------------------------------------------------------------- noise
     def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]],
