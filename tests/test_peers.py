@@ -165,6 +165,36 @@ def test_paired_differences_over_the_seeds_with_their_t_interval():
     assert one["plain_ray"]["dev"]["ci95"] is None and one["plain_ray"]["dev"]["loss"] == 1
 
 
+def test_the_committed_same_draws_run_of_seed_0_is_what_peers_md_says():
+    """docs/bench/peers_cpu_same_draws.json (peers.md, "Results with the same draws"): every
+    method tried seed 0's 8 draws; the project and plain Ray Tune picked the same draw and
+    score it the same; the page's ratios and paired differences recompute from the runs
+    (wall 0.54 / 0.52 / 1.67, ex/s 1.16 / 1.28 / 0.66, dev +0.0000 / +0.0442 / +0.0301)."""
+    from bench.peer_problem import config_key
+    from bench.peers import figures, paired
+
+    doc = json.loads((REPO / "docs" / "bench" / "peers_cpu_same_draws.json").read_text())
+    runs = {m: {int(s): r for s, r in by.items()} for m, by in doc["runs"].items()}
+    row = figures(runs)["0"]
+    assert row["same_draws"] and row["same_rows"] and row["same_space"]
+    assert len(runs["project"][0]["draws"]) == 8
+    mine, ray = runs["project"][0]["selected"], runs["plain_ray"][0]["selected"]
+    assert config_key(mine["config"]) == config_key(ray["config"])
+    assert config_key(mine["config"]) == config_key(runs["project"][0]["draws"][4])
+    assert mine["dev"] == ray["dev"] and mine["val"] == ray["val"]
+    ratios = {m: round(v, 2) for m, v in row["wall_ratio"].items()}
+    assert ratios == {"plain_ray": 0.54, "hf_ray": 0.52, "hf_optuna": 1.67}
+    rates = {m: round(v, 2) for m, v in row["ex_per_s_ratio"].items()}
+    assert rates == {"plain_ray": 1.16, "hf_ray": 1.28, "hf_optuna": 0.66}
+    pairs = paired(runs)
+    assert {m: round(p["dev"]["mean"], 4) for m, p in pairs.items()} == \
+        {"plain_ray": 0.0, "hf_ray": 0.0442, "hf_optuna": 0.0301}
+    assert {m: (p["dev"]["win"], p["dev"]["tie"], p["dev"]["loss"])
+            for m, p in pairs.items()} == {"plain_ray": (0, 1, 0), "hf_ray": (1, 0, 0),
+                                           "hf_optuna": (1, 0, 0)}
+    assert doc["figures"]["0"]["wall_ratio"] == row["wall_ratio"]
+
+
 def test_same_draws_are_one_seeded_list_of_the_spaces_points():
     from bench.peer_problem import config_key, same_draws
     from mtbert.tune.search.spaces import load_space
