@@ -189,24 +189,26 @@ def test_the_committed_same_draws_runs_are_what_peers_md_says():
             == config_key(draws[index])
         assert mine["dev"] == ray["dev"] and mine["val"] == ray["val"]
         assert doc["figures"][str(seed)]["wall_ratio"] == row["wall_ratio"]
-    ratios = {s: {m: round(v, 2) for m, v in figures(runs)[str(s)]["wall_ratio"].items()}
-              for s in picked}
-    assert ratios == {0: {"plain_ray": 0.54, "hf_ray": 0.52, "hf_optuna": 1.67},
-                      1: {"plain_ray": 1.03, "hf_ray": 0.70, "hf_optuna": 1.11}}
-    assert {m: round(v, 2) for m, v in figures(runs)["2"]["wall_ratio"].items()} == \
-        {"plain_ray": 0.90, "hf_optuna": 1.24}
-    assert figures(runs)["2"]["same_draws"]  # every method that ran tried seed 2's draws
+    per_seed = figures(runs)
+
+    def rounded(key):  # each seed's ratios to two digits, as the page gives them
+        return {int(s): {m: round(v, 2) for m, v in row[key].items()}
+                for s, row in per_seed.items()}
+
+    assert rounded("wall_ratio") == {
+        0: {"plain_ray": 0.54, "hf_ray": 0.52, "hf_optuna": 1.67},
+        1: {"plain_ray": 1.03, "hf_ray": 0.70, "hf_optuna": 1.11},
+        2: {"plain_ray": 0.90, "hf_optuna": 1.24}}
+    assert rounded("ex_per_s_ratio") == {
+        0: {"plain_ray": 1.16, "hf_ray": 1.28, "hf_optuna": 0.66},
+        1: {"plain_ray": 1.38, "hf_ray": 1.88, "hf_optuna": 0.94},
+        2: {"plain_ray": 1.24, "hf_optuna": 0.70}}
+    assert per_seed["2"]["same_draws"]  # every method that ran tried seed 2's draws
     # seed 2: the schedulers kept different draws; plain Ray Tune picked one the project
     # stopped at its first rung
     draws = runs["project"][2]["draws"]
     assert config_key(runs["project"][2]["selected"]["config"]) == config_key(draws[4])
     assert config_key(runs["plain_ray"][2]["selected"]["config"]) == config_key(draws[1])
-    rates = {s: {m: round(v, 2) for m, v in figures(runs)[str(s)]["ex_per_s_ratio"].items()}
-             for s in picked}
-    assert rates == {0: {"plain_ray": 1.16, "hf_ray": 1.28, "hf_optuna": 0.66},
-                     1: {"plain_ray": 1.38, "hf_ray": 1.88, "hf_optuna": 0.94}}
-    assert {m: round(v, 2) for m, v in figures(runs)["2"]["ex_per_s_ratio"].items()} == \
-        {"plain_ray": 1.24, "hf_optuna": 0.70}
     pairs = paired(runs)
     assert {m: round(p["dev"]["mean"], 4) for m, p in pairs.items()} == \
         {"plain_ray": 0.0037, "hf_ray": 0.0326, "hf_optuna": 0.0301}
