@@ -178,9 +178,10 @@ def test_the_committed_same_draws_runs_are_what_peers_md_says():
     doc = json.loads((REPO / "docs" / "bench" / "peers_cpu_same_draws.json").read_text())
     runs = {m: {int(s): r for s, r in by.items()} for m, by in doc["runs"].items()}
     assert sorted(runs["project"]) == [0, 1, 2] and sorted(runs["hf_ray"]) == [0, 1]
+    per_seed = figures(runs)
     picked = {0: 4, 1: 1}  # the index of the draw the project and plain Ray Tune picked
     for seed, index in picked.items():
-        row = figures(runs)[str(seed)]
+        row = per_seed[str(seed)]
         assert row["same_draws"] and row["same_rows"] and row["same_space"]
         draws = runs["project"][seed]["draws"]
         assert len(draws) == 8
@@ -189,7 +190,6 @@ def test_the_committed_same_draws_runs_are_what_peers_md_says():
             == config_key(draws[index])
         assert mine["dev"] == ray["dev"] and mine["val"] == ray["val"]
         assert doc["figures"][str(seed)]["wall_ratio"] == row["wall_ratio"]
-    per_seed = figures(runs)
 
     def rounded(key):  # each seed's ratios to two digits, as the page gives them
         return {int(s): {m: round(v, 2) for m, v in row[key].items()}
