@@ -94,7 +94,7 @@ class MultitaskTrainer(Trainer):
     def __init__(self, *args, problem: Problem, **kwargs):
         self.problem = problem
         self.examples_seen = 0
-        self.loss_combiner = self.regulariser = self.rows = None
+        self.loss_combiner = self.regulariser = self.rows = self.trained = None
         super().__init__(*args, **kwargs)
 
     def start_trial(self, model) -> None:
@@ -104,9 +104,12 @@ class MultitaskTrainer(Trainer):
         self.loss_combiner = build_loss_combiner(cfg).to(self.args.device)
         self.regulariser = build_regulariser(cfg, model)
         self.rows = rows_digest(self.problem.data)  # what this trial trains and is scored on
+        self.trained = None  # set by the trial's first step
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cfg = model.trial_config
+        # the searched values of the model this step trains: what the trial trained
+        self.trained = {k: getattr(cfg, k) for k in self.problem.space.searched}
         losses = {t: batch_loss(model, t, batch, cfg, self.regulariser)
                   for t, batch in inputs.items()}
         loss = sum(self.loss_combiner.weighted(losses).values())
@@ -119,6 +122,7 @@ class MultitaskTrainer(Trainer):
         folder = Path(self._get_output_dir(self._trial))
         folder.mkdir(parents=True, exist_ok=True)
         (folder / ROWS_FILE).write_text(json.dumps({"rows": self.rows,
+                                                    "trained_config": self.trained,
                                                     "examples": self.examples_seen}),
                                         encoding="utf-8")
         self.log(metrics)
@@ -162,8 +166,14 @@ def build_trainer(problem: Problem, out: Path, threads: int = 0) -> MultitaskTra
     per_pass = len(TASK_NAMES) * max(problem.data.train_sizes().values())
     epochs = math.ceil(budget.max_examples / per_pass * 100) / 100  # the callback stops it
 
+    hp_space = optuna_space(problem)
+
     def model_init(trial=None):
-        cfg = problem.config(sampled(trial))
+        # HF's Trainer.train calls model_init(trial) before its own hp_space(trial): a
+        # live Optuna trial has no params yet, so ask it for them (Optuna gives a name
+        # already suggested, or enqueued, the same value again).
+        cfg = problem.config(sampled(hp_space(trial) if hasattr(trial, "suggest_float")
+                                     else trial))
         model = MultitaskModel.from_config(cfg)
         model.trial_config = cfg
         return model
@@ -294,7 +304,8 @@ def run_hf_ray(problem: Problem, out: Path, cpus_per_trial: float = 1.0,
 
 
 def trial_progress(folder: Path) -> dict[str, Any]:
-    """A trial's rows digest and the examples it had trained at its last evaluation."""
+    """A trial's rows digest, the searched values its model trained with and the examples
+    it had trained at its last evaluation."""
     path = folder / ROWS_FILE
     if not path.is_file():
         return {"rows": None, "examples": 0}

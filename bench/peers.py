@@ -294,10 +294,13 @@ def run_figures(r: dict) -> dict[str, Any]:
 
 
 def tried_the_draws(r: dict) -> bool | None:
-    """Whether a run's trials tried exactly its seed's draws (None: no draws given)."""
+    """Whether a run's trials tried exactly its seed's draws (None: no draws given): the
+    configurations their models trained with where a trial records them (the HF peers'
+    ``trained_config``), else the ones their searcher gave."""
     if not r.get("draws"):
         return None
-    tried = sorted(config_key(t["config"]) for t in r["trials"] if t.get("config"))
+    tried = sorted(config_key(t.get("trained_config") or t["config"])
+                   for t in r["trials"] if t.get("config"))
     return tried == sorted(config_key(d) for d in r["draws"])
 
 

@@ -279,7 +279,9 @@ def same_draw_runs(tmp_path_factory, tiny_model_dir, tiny_data_dir):
 def test_with_same_draws_every_method_tries_the_seeds_draws(same_draw_runs):
     """The project (its searcher given ``--points``), plain Ray Tune and HF's ray backend
     (OptunaSearch's points_to_evaluate) and HF's optuna backend (the trials enqueued)
-    each try exactly the 3 configurations the seeded sampler drew, every one of them."""
+    each try exactly the 3 configurations the seeded sampler drew, every one of them; the
+    HF peers' models are built from them (HF's optuna backend calls ``model_init`` before
+    the trial has its values: it trained the base configuration until 2026-11-30)."""
     from bench.peer_problem import config_key, same_draws
     from bench.peers import figures, paired
     from mtbert.tune.search.spaces import load_space
@@ -290,6 +292,9 @@ def test_with_same_draws_every_method_tries_the_seeds_draws(same_draw_runs):
         assert run["draws"] == draws, method
         tried = sorted(config_key(t["config"]) for t in run["trials"])
         assert tried == sorted(config_key(d) for d in draws), (method, run["trials"])
+        if method.startswith("hf_"):  # the model each trial trained was built from its draw
+            for t in run["trials"]:
+                assert config_key(t["trained_config"]) == config_key(t["config"]), (method, t)
         assert run["selected"]["trial_id"] in {t["trial_id"] for t in run["trials"]}
         assert run["wall_s"] > 0 and run["cpu_s"] > 0
     runs = {m: {3: r} for m, r in same_draw_runs.items()}
