@@ -108,8 +108,8 @@ class MultitaskTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cfg = model.trial_config
-        # the searched values of the model this step trains: what the trial trained
-        self.trained = {k: getattr(cfg, k) for k in self.problem.space.searched}
+        if self.trained is None:  # the searched values of the model the trial trains
+            self.trained = {k: getattr(cfg, k) for k in self.problem.space.searched}
         losses = {t: batch_loss(model, t, batch, cfg, self.regulariser)
                   for t, batch in inputs.items()}
         loss = sum(self.loss_combiner.weighted(losses).values())
