@@ -314,6 +314,9 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
         assert c["not_started"] == 1 and "never ran" in log2.read_text(), c
     assert {t["trial_id"] for t in summary["trials"]} == ray_ids
     assert set(before) <= ray_ids  # the same trial ids after the restore
+    points_of = {tid: _evaluation_points(exp_dir / f"trial_{tid}",
+                                         analysis.trial_dataframes[tid]["examples_seen"])
+                 for tid in ray_ids}
     # finished trials were not re-run: same iterations, same MLflow points
     for tid, steps in before.items():
         df = analysis.trial_dataframes[tid]
@@ -327,7 +330,7 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
         df = analysis.trial_dataframes[tid]
         seen = list(df["examples_seen"])
         record = next(t for t in summary["trials"] if t["trial_id"] == tid)
-        points = _evaluation_points(exp_dir / f"trial_{tid}", seen)
+        points = points_of[tid]
         if seen[-1] == max(seen):
             assert seen[-1] >= r["examples_seen"], (tid, seen)
         else:
@@ -362,8 +365,7 @@ def test_driver_killed_then_resume_finishes_without_rerunning(tmp_path, tiny_mod
     for tid, run in by_trial.items():
         steps = _metric_points(db, run.info.run_id)
         assert steps == sorted(set(steps)), (tid, steps)
-        assert steps == _evaluation_points(
-            exp_dir / f"trial_{tid}", analysis.trial_dataframes[tid]["examples_seen"])
+        assert steps == points_of[tid]
         assert run.info.status == "FINISHED"
     for tid, steps in before.items():
         assert _metric_points(db, by_trial[tid].info.run_id) == steps
