@@ -1,22 +1,9 @@
 """The Python side of ``bench/gpu_evidence.sh`` (the GPU evidence in one run; see
 docs/bench/fused.md): what it checks before anything runs, the tiny model of its dry run,
-the attention probe, and the one JSON file and table that gather every step's figures.
-
-    python -m bench.gpu_evidence check MODEL_DIR DATA_DIR [--dry-run] [--mpnet DIR]
-    python -m bench.gpu_evidence tiny-model FOLDER --tokenizer MODEL_DIR
-    python -m bench.gpu_evidence probe --device cuda|cpu --json OUT
-    python -m bench.gpu_evidence init EVIDENCE_JSON --set KEY=VALUE ...
-    python -m bench.gpu_evidence record EVIDENCE_JSON NAME --rc RC --seconds S --limit-s L
-           [--result FILE ...] [--note TEXT] [--log-tail FILE] [--command TEXT]
-    python -m bench.gpu_evidence table EVIDENCE_JSON [--markdown OUT]
-
-The probe: the attention of the fused step on CUDA -- SDPA under ``vmap`` over the trial
-axis, bf16, a padding mask of its own per trial and row, cuDNN's SDPA off as training
-has it (:func:`mtbert.core.devices.prefer_stable_attention_kernels`) -- forward and backward,
-against the same attention called once per trial, both against a float64 reference;
-which kernel ran, whether ``vmap`` fell back to a loop (no batching rule), and the time
-of each.  It exits 1 when an output or gradient is not finite or strays from the
-reference beyond the dtype's rounding.
+the attention probe (step 1a: the fused step's SDPA under ``vmap`` on CUDA, forward and
+backward, against a loop and a float64 reference; exit 1 beyond bf16 rounding), and the
+one JSON file and table that gather every step's figures (``python -m bench.gpu_evidence
+--help`` lists its subcommands).
 """
 
 from __future__ import annotations
@@ -33,14 +20,15 @@ import time
 import warnings
 from pathlib import Path
 
+from bench.common import commit, seconds
+from mtbert.core.atomic import atomic_write_text
+from tests.tiny_models import TOKENIZER_FILES, tiny_model
+
 #: what every step needs (import names)
 REQUIRED_MODULES = ("torch", "transformers", "numpy", "pyarrow", "yaml", "safetensors",
                     "tokenizers", "pytest")
 #: what steps 5 and 6 (the searches) need besides
 STACK_MODULES = ("ray", "optuna", "mlflow")
-#: the tokenizer files a model folder carries (any one of the first two is enough)
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
-                   "special_tokens_map.json")
 #: ``vmap``'s warning when an op has no batching rule and runs once per trial
 FALLBACK_WARNING = "not yet implemented the batching rule"
 
@@ -100,28 +88,6 @@ def check(args) -> int:
           + ("; the searches' stack: ok" if not stack
              else f"; the searches' stack lacks {', '.join(stack)}"))
     return 0
-
-
-# ---------------------------------------------------------------------- tiny model
-def tiny_model(folder: Path, tokenizer_from: Path, hidden: int = 32, layers: int = 2,
-               seed: int = 0) -> Path:
-    """A random BERT (hidden ``hidden``, ``layers`` layers, 2 heads; weights from ``seed``)
-    with the tokenizer of ``tokenizer_from`` (its vocabulary size), saved to ``folder``."""
-    import shutil
-
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_from)))
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=2, intermediate_size=2 * hidden,
-                        max_position_embeddings=128)
-    BertModel(config).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, folder / name)
-    return folder
 
 
 # ---------------------------------------------------------------------- probe
@@ -214,15 +180,7 @@ def _measure(fn, forward_backward, ref_out, ref_grads, repeats: int, device,
               **{f"grad_{n}": _relative_error(g, r) for n, g, r in zip("qkv", grads, ref_grads)}}
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all())
                                                      for g in grads)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        forward_backward(fn)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
+    times = [seconds(device, lambda: forward_backward(fn)) for _ in range(repeats)]
     return {"relative_error": errors, "finite": finite,
             "within_tolerance": finite and max(errors.values()) <= tolerance,
             "ms_median": 1000 * sorted(times)[len(times) // 2],
@@ -239,23 +197,12 @@ def _kernels(fn, forward_backward) -> list[str]:
 
 
 # ---------------------------------------------------------------------- the evidence file
-def _write(path: Path, doc: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def machine() -> dict:
     """The machine and software the figures come from."""
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "host": platform.node(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
-    commit = os.environ.get("EVIDENCE_COMMIT")
-    if not commit:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parents[1])
-        commit = done.stdout.strip() if done.returncode == 0 else "unknown"
-    info["commit"] = commit
+            "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
+            "commit": os.environ.get("EVIDENCE_COMMIT") or commit() or "unknown"}
     for name in ("torch", "transformers"):  # read without importing them (seconds each)
         try:
             info[name] = importlib.metadata.version(name)
@@ -271,17 +218,6 @@ def machine() -> dict:
     return info
 
 
-def init(args) -> int:
-    settings = dict(item.split("=", 1) for item in args.set)
-    _write(Path(args.evidence), {"machine": machine(), "settings": settings, "steps": {}})
-    return 0
-
-
-def _tail(path: Path, lines: int = 3) -> list[str]:
-    text = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
-    return [line for line in text if line.strip()][-lines:]
-
-
 def record(args) -> int:
     """One step's outcome (and its result files' JSON) into the evidence file."""
     path = Path(args.evidence)
@@ -289,9 +225,8 @@ def record(args) -> int:
     status = ("skipped" if args.rc is None else "ok" if args.rc == 0
               else "timed out" if args.rc in (124, 137) else "failed")
     entry = {"status": status, "rc": args.rc, "seconds": args.seconds,
-             "limit_s": args.limit_s, "command": args.cmd}
-    if args.note:
-        entry["note"] = args.note
+             "limit_s": args.limit_s, "command": args.cmd, **({"note": args.note} if args.note
+                                                               else {})}
     results = {}
     for file in args.result:
         file = Path(file)
@@ -302,10 +237,12 @@ def record(args) -> int:
                 results[file.name] = {"unreadable": str(exc)}
     if results:
         entry["results"] = results
-    if args.log_tail:
-        entry["log_tail"] = _tail(Path(args.log_tail))
+    if args.log_tail:  # its last 3 lines that are not blank (the step's summary)
+        tail = Path(args.log_tail)
+        text = tail.read_text(encoding="utf-8", errors="replace") if tail.is_file() else ""
+        entry["log_tail"] = [line for line in text.splitlines() if line.strip()][-3:]
     doc["steps"][args.name] = entry
-    _write(path, doc)
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
     return 0
 
 
@@ -367,7 +304,7 @@ def table(doc: dict) -> str:
         for file, result in step.get("results", {}).items():
             if not isinstance(result, dict):
                 continue
-            if "rows" in result and result.get("args", {}).get("mode") == "train":
+            if "rows" in result and result.get("args", {}).get("mode") == "fused":
                 out += ["", f"{name} ({file}): ex/s, ms per step (wall, host, GPU busy), "
                             "ops per step, executed / real tokens, memory MB, graphs "
                             "captured in the window", "",
@@ -403,14 +340,6 @@ def table(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def table_command(args) -> int:
-    text = table(json.loads(Path(args.evidence).read_text(encoding="utf-8")))
-    if args.markdown:
-        Path(args.markdown).write_text(text, encoding="utf-8")
-    print(text, end="")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_evidence",
                                 description=__doc__.split("\n\n")[0])
@@ -425,11 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tokenizer", required=True, help="model folder whose tokenizer it takes")
     pr = sub.add_parser("probe", help="vmapped SDPA with padding masks against a loop")
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    pr.add_argument("--trials", type=int, default=8)
-    pr.add_argument("--rows", type=int, default=32)
-    pr.add_argument("--heads", type=int, default=12)
-    pr.add_argument("--tokens", type=int, default=64)
-    pr.add_argument("--head-size", type=int, default=32)
+    for flag, default in (("--trials", 8), ("--rows", 32), ("--heads", 12), ("--tokens", 64),
+                          ("--head-size", 32)):
+        pr.add_argument(flag, type=int, default=default)
     pr.add_argument("--json", required=True)
     i = sub.add_parser("init", help="start the evidence file")
     i.add_argument("evidence")
@@ -451,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "check":
         return check(args)
     if args.what == "tiny-model":
-        tiny_model(Path(args.folder), Path(args.tokenizer))
+        tiny_model(Path(args.folder), Path(args.tokenizer))  # the tests' tiny model
         return 0
     if args.what == "probe":
         figures = probe(args.device, args.trials, args.rows, args.heads, args.tokens,
@@ -463,10 +390,17 @@ def main(argv: list[str] | None = None) -> int:
                             for k in ("fused", "loop") if "ms_median" in figures.get(k, {})}))
         return 0 if figures["ok"] else 1
     if args.what == "init":
-        return init(args)
+        atomic_write_text(args.evidence, json.dumps({
+            "machine": machine(), "settings": dict(kv.split("=", 1) for kv in args.set),
+            "steps": {}}, indent=1) + "\n")
+        return 0
     if args.what == "record":
         return record(args)
-    return table_command(args)
+    text = table(json.loads(Path(args.evidence).read_text(encoding="utf-8")))
+    if args.markdown:
+        Path(args.markdown).write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,32 +3,23 @@
 #
 #   bash bench/gpu_evidence.sh [--dry-run] [--steps 1-6] [--budget-s 520] [--mpnet DIR]
 #        MODEL_DIR DATA_DIR OUT_DIR
-#   (--budget-s: 520 by default, 1500 for a dry run; --steps: 1-6 by default, 7 with
-#    --mpnet, 1-4 for a dry run)
 #
 # MODEL_DIR: a transformers model folder (MiniLM; its tokenizer serves the CUDA tests'
-# tiny models); DATA_DIR: the CS 224N files; OUT_DIR: where the evidence goes, at most
-# 4 files: evidence.json (every step's outcome and raw figures), evidence.log (every
-# command's output), evidence.md (the table) and gpu_util.csv (nvidia-smi every second).
-# First checks what it needs (one line naming what is missing, exit 2), then runs the
-# steps in order, each under its own time limit and all within --budget-s seconds:
-#   1  the fail-fast probe: vmapped bf16 SDPA with per-trial padding masks against a loop
-#      over the trials, forward and backward; then pytest -m cuda tests/test_fused.py.
-#      Either failing stops the run.
-#   2  the fused layer alone, N = 1-32
-#   3  fused plain batch 32, N = 1, 2, 8, 16, 32; unfused N = 1 and 8
-#   4  SMART batch 16, fused N = 8, 16
-#   5  the full smart search, --fuse on then --fuse off (needs Ray, Optuna, MLflow)
-#   6  the peers' full rows (python -m bench.peers --budget full; the same stack)
+# tiny models); DATA_DIR: the CS 224N files; OUT_DIR gets evidence.json (every step's
+# outcome and raw figures), evidence.log, evidence.md (the table) and gpu_util.csv
+# (nvidia-smi every second).  It checks its inputs (one line naming what is missing,
+# exit 2), then runs the steps in order, each under its own time limit, all within
+# --budget-s (520 s; 1500 for a dry run); a step with too little time left is skipped:
+#   1  the attention probe (vmapped bf16 SDPA with per-trial padding masks against a loop,
+#      forward and backward), then pytest -m cuda tests/test_fused.py; a failure stops it
+#   2  the fused layer alone, N = 1-32     3  fused plain batch 32, N = 1-32; unfused 1, 8
+#   4  SMART batch 16, fused N = 8, 16     5  the full smart search, --fuse on then off
+#   6  the peers' full rows (python -m bench.peers --budget full)
 #   7  with --mpnet DIR: a 3-epoch training of that model, then a full smart search with it
-# A step that has less time left than it needs is skipped, saying so (run it with
-# --steps N in another run).  --dry-run: the same steps on the CPU with a tiny random
-# BERT (built in OUT_DIR/.work from MODEL_DIR's tokenizer), N in {1, 2} and a few steps,
-# step 7 on the --mpnet folder for 64 examples; the searches (5, 6, 7's second part) only
-# when --steps names them, at the smoke budget,
-# and generous time limits (a shared CPU is slow; the limits guard a GPU host's slot).
-# Exit status: 0 when every step that ran passed, 1 when one failed or timed out, 2 on
-# missing inputs.
+# (--steps: 1-6 by default, 7 with --mpnet.)  --dry-run: steps 1-4 (and 7a on 64 examples)
+# on the CPU with a tiny random BERT built from MODEL_DIR's tokenizer, N in {1, 2}, a few
+# steps; the searches (5, 6, 7b) when --steps names them, at the smoke budget.  Exit 0
+# when every step that ran passed, 1 when one failed or timed out, 2 on missing inputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -41,7 +32,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=${2:-}; explicit=1; shift ;;
     --budget-s) budget=${2:-}; shift ;;
     --mpnet) mpnet=${2:-}; shift ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $1; $usage" >&2; exit 2 ;;
     *) positional+=("$1") ;;
   esac
@@ -165,7 +156,7 @@ if [ $dry = 1 ]; then
   layer=(--trials 1,2 --steps 2 --warmup 1 --batch-size 4 --length 16 --threads 1)
   plain=(--trials 1,2 --unfused-trials 2 --steps 3 --warmup 1 --threads 1
          --set max_length=32 --set epochs=1000)
-  smart=(--trials 2 --unfused-trials "" --steps 2 --warmup 1 --threads 1
+  smart=(--trials 2 --unfused-trials "" --steps 2 --warmup 1 --threads 1 --batch-size 16
          --set max_length=32 --set epochs=1000)
   search=(--budget smoke --num-samples 1)
   peers=(--budget smoke --num-samples 1 --seeds 0 --gpus-per-trial 0)
@@ -178,7 +169,8 @@ else
   layer=(--trials 1,2,4,8,16,32 --steps 20 --warmup 3)
   plain=(--trials 1,2,8,16,32 --unfused-trials 1,8 --steps 20 --warmup 2 --threads 8
          --row-timeout 120)
-  smart=(--trials 8,16 --unfused-trials "" --steps 20 --warmup 2 --threads 8 --row-timeout 120)
+  smart=(--trials 8,16 --unfused-trials "" --steps 20 --warmup 2 --threads 8 --row-timeout 120
+         --batch-size 16)
   search=(--budget full)
   peers=(--budget full --seeds 0 --gpus-per-trial 0.125 --max-concurrent 8)
   mpnet_train=(--set epochs=3)
@@ -199,11 +191,11 @@ if want 1; then
 fi
 if [ $failed = 0 ]; then
   want 2 && step "2 fused layer" "${limits[2]}" 20 TERM "$work/layer.json" -- \
-    "$python" -m bench.fused --mode layer "${common[@]}" "${layer[@]}" --json "$work/layer.json"
+    "$python" -m bench.throughput --mode layer "${common[@]}" "${layer[@]}" --json "$work/layer.json"
   want 3 && step "3 plain b32" "${limits[3]}" 60 TERM "$work/plain.json" -- \
-    "$python" -m bench.fused "${common[@]}" "${plain[@]}" --json "$work/plain.json"
+    "$python" -m bench.throughput --mode fused "${common[@]}" "${plain[@]}" --json "$work/plain.json"
   want 4 && step "4 SMART b16" "${limits[4]}" 40 TERM "$work/smart.json" -- \
-    "$python" -m bench.fused --smart "${common[@]}" "${smart[@]}" --json "$work/smart.json"
+    "$python" -m bench.throughput --mode fused --technique smart "${common[@]}" "${smart[@]}" --json "$work/smart.json"
   if want 5 || want 6 || want 7; then reason=$(stack_reason); else reason=""; fi
   driver=("$python" tune_driver.py --space smart --data-dir "$data"
           --storage-path "$work/ray_results")

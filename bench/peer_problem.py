@@ -1,30 +1,14 @@
 """What the methods of ``bench/peers.py`` share: the search problem, read through the
-project's own command line and loader, and the checks that every method saw it alike.
-
-* :func:`load_problem`: the driver's settings for ``tune_driver.py``'s arguments
-  (:func:`driver_argv`) and the data its trials train on, read and tokenised once
-  (``mtbert.tune.driver.load_search_data``): the space, the budget (examples per trial,
-  evaluation points, ASHA's rungs), the number of trials, the base TrainConfig;
-* :func:`rows_digest`: a SHA-256 of each split's row ids and labels (train, val, dev):
-  what a method trained on, selected on and was scored on;
-* :func:`canonical_space`: a space as the project's YAML writes it, from the project's
-  parameters, Ray Tune domains or Optuna distributions -- what each method searched,
-  read back from the form it was given;
-* :func:`same_draws`: the configurations of ``--same-draws``, drawn once per seed by a
-  seeded Optuna ``RandomSampler`` over the space, that every method tries in that order;
-  :func:`config_key`: a configuration as one comparable string (the check that every
-  method tried the draws);
-* :func:`score`: a model's metrics on a split with the project's evaluation code (the
-  trainer's: ``predict_split``, ``task_metrics``, ``split_metrics``);
-* :class:`TreeCPU`: the CPU seconds of a process and all its descendants (Ray's workers).
+project's own command line and loader (:func:`load_problem`), and the checks that every
+method saw it alike: the rows' digests, the space as the project's YAML writes it, the
+same draws, a configuration as one comparable string; a model scored with the project's
+evaluation code; the CPU seconds of a process tree.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,24 +18,8 @@ from mtbert.core.tasks import TASK_NAMES
 OBJECTIVE = "val/overall"
 #: the splits a method's rows are checked on: trained on, selected on, scored on
 DIGESTED = ("train", "val", "dev")
-
-
-def driver_argv(space: str, budget: str, seed: int, data_dir: str, model: str,
-                storage: str, experiment: str, num_samples: int | None = None,
-                cpus_per_trial: float = 1.0, gpus_per_trial: float | None = None,
-                max_concurrent: int | None = None) -> list[str]:
-    """``tune_driver.py``'s arguments for the project's search: its defaults (scheduler,
-    searcher, rung metric, ensemble) with these values."""
-    argv = ["--space", space, "--budget", budget, "--seed", str(seed), "--data-dir", data_dir,
-            "--model", model, "--storage-path", storage, "--experiment", experiment,
-            "--cpus-per-trial", f"{cpus_per_trial:g}"]
-    if num_samples is not None:
-        argv += ["--num-samples", str(num_samples)]
-    if gpus_per_trial is not None:
-        argv += ["--gpus-per-trial", f"{gpus_per_trial:g}"]
-    if max_concurrent is not None:
-        argv += ["--max-concurrent", str(max_concurrent)]
-    return argv
+#: written into each trial's folder by a peer: the rows it trained and was scored on
+ROWS_FILE = "peer_rows.json"
 
 
 @dataclass
@@ -65,21 +33,11 @@ class Problem:
         """The TrainConfig fields every trial gets (the space's fixed values included)."""
         return {**self.settings.base, **self.settings.space.fixed}
 
-    @property
-    def space(self):
-        return self.settings.space
-
-    @property
-    def budget(self):
-        return self.settings.budget
-
-    @property
-    def num_samples(self) -> int:
-        return self.settings.num_samples
-
-    @property
-    def seed(self) -> int:
-        return self.settings.seed
+    def __getattr__(self, name: str):
+        """``space``, ``budget``, ``num_samples`` and ``seed``: the settings'."""
+        if name in ("space", "budget", "num_samples", "seed"):
+            return getattr(self.settings, name)
+        raise AttributeError(name)
 
     def config(self, sampled: dict[str, Any]):
         """A trial's TrainConfig, as the project's trainable builds it."""
@@ -191,7 +149,7 @@ def score(model, cfg, data, split_name: str) -> dict[str, float]:
     """``model``'s metrics on ``split_name`` (val or dev) as the trainer scores val:
     ``{split/overall, split/overall_se, split/sst_acc, ...}``."""
     from mtbert.data import encoding_for, eval_rows, eval_token_cap  # deferred: torch
-    from mtbert.core.devices import resolve_device
+    from mtbert.core.devices import resolve_device, uses_bf16
     from mtbert.run.inference import as_label, predict_split
     from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
 
@@ -202,63 +160,9 @@ def score(model, cfg, data, split_name: str) -> dict[str, float]:
         split = data.split(task, split_name)
         scores = predict_split(model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
                                eval_rows(cfg.eval_batch_size, device.type), device,
-                               device.type == "cuda", sst_probabilities=True,
+                               uses_bf16(cfg.precision, device), sst_probabilities=True,
                                max_tokens=eval_token_cap(cfg.eval_batch_tokens, device.type))
         pred = scores.argmax(-1) if task == "sst" else scores
         per_task[task] = task_metrics(task, as_label(task, pred), split.labels,
                                       probabilities=None if task == "sts" else scores)
     return scalar_metrics(split_metrics(split_name, per_task), finite=True)
-
-
-class TreeCPU:
-    """CPU seconds (user + system) of process ``pid`` and every descendant it ever had,
-    sampled every ``interval`` s on a thread (a process's last figure is kept once it
-    ends); the machine's CPU busy over the same time (everyone's work, for context)."""
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        import psutil  # deferred: the bench's extra
-
-        self._psutil = psutil
-        self.root = psutil.Process(pid)
-        self.interval = interval
-        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._machine_start = psutil.cpu_times()
-        self.started = time.monotonic()
-        self.wall_s = 0.0
-        self.machine_busy = 0.0
-        self._thread.start()
-
-    def _sample(self) -> None:
-        psutil = self._psutil
-        try:
-            procs = [self.root] + self.root.children(recursive=True)
-        except psutil.Error:
-            return
-        for proc in procs:
-            try:
-                times = proc.cpu_times()
-                self.seen[(proc.pid, proc.create_time())] = times.user + times.system
-            except psutil.Error:
-                continue
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def stop(self) -> float:
-        """Stop sampling (after one last sample); the CPU seconds of the tree."""
-        self._sample()
-        self._stop.set()
-        self._thread.join()
-        self.wall_s = time.monotonic() - self.started
-        end, start = self._psutil.cpu_times(), self._machine_start
-        busy = lambda t: t.user + t.system + getattr(t, "nice", 0.0)  # noqa: E731
-        total = lambda t: busy(t) + t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
-        self.machine_busy = (busy(end) - busy(start)) / max(total(end) - total(start), 1e-9)
-        return self.cpu_s
-
-    @property
-    def cpu_s(self) -> float:
-        return sum(self.seen.values())

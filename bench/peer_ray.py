@@ -1,17 +1,6 @@
 """The plain Ray Tune peer of ``bench/peers.py``: what the Ray Tune docs teach, around the
-project's Trainer.
-
-A function trainable builds the trial's TrainConfig, trains ``mtbert.step.trainer.Trainer``
-with a report callback that calls ``tune.report`` (metrics and the checkpoint folder the
-trainer wrote), one trial per worker (no actor reuse), 1 CPU (``--cpus-per-trial``) each;
-``ASHAScheduler`` on ``val/overall`` at the budget's rungs (examples seen, the budget's
-grace period and reduction factor), ``OptunaSearch`` (TPE, seeded) over the space as the
-project's loader gives it to Ray (``SearchSpace.param_space``).  The data go to the
-workers through ``tune.with_parameters``.  No packing, no promoting ASHA, no step graphs,
-no MLflow.  The selected trial is Ray's best result over all its reports
-(``scope="all"``); its best checkpoint (the one kept) is the model scored.  Given
-``points`` (``--same-draws``), OptunaSearch proposes them first, in order
-(``points_to_evaluate``).
+project's Trainer (a function trainable, ``ASHAScheduler``, ``OptunaSearch``, one trial a
+worker; docs/bench/peers.md says how it is written and what it picks).
 """
 
 from __future__ import annotations
@@ -20,10 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.peer_problem import OBJECTIVE, Problem, canonical_space, rows_digest
-
-#: written into each trial's folder by the trainable: the rows the trial trained on
-ROWS_FILE = "peer_rows.json"
+from bench.peer_problem import OBJECTIVE, ROWS_FILE, Problem, canonical_space, rows_digest
 
 
 def train_fn(config: dict[str, Any], data=None, base: dict[str, Any] | None = None) -> None:

@@ -1,46 +1,14 @@
 """The search side by side with what a user would pick instead: ``tune_driver.py`` against
 ``transformers.Trainer.hyperparameter_search`` (backends ray and optuna) and a plain Ray
-Tune script, the same search problem for each, over seeds.
+Tune script, the same search problem for each, over seeds (docs/bench/peers.md).
 
-    python -m bench.peers [--seeds 0,1,2] [--methods project,plain_ray,hf_ray,hf_optuna]
-        [--space smart] [--budget small] [--num-samples N] [--cpus-per-trial 1]
-        [--gpus-per-trial 0] [--max-concurrent 2] [--data-dir DIR] [--model MODEL]
-        [--out bench_results/peers] [--json docs/bench/peers_cpu.json] [--report-only]
-        [--same-draws]
-
-Methods (bench/peer_ray.py and bench/peer_hf.py say how each peer is written):
-
-* ``project``   -- ``tune_driver.py`` with its defaults and ``--space --budget --seed``;
-* ``plain_ray`` -- a function trainable around ``mtbert.step.trainer.Trainer`` reporting with
-  ``tune.report``, ``ASHAScheduler`` and ``OptunaSearch``, one trial per worker;
-* ``hf_ray``    -- ``Trainer.hyperparameter_search(backend="ray")`` with ``ASHAScheduler``
-  and ``OptunaSearch``;
-* ``hf_optuna`` -- ``Trainer.hyperparameter_search(backend="optuna")`` with a seeded TPE
-  sampler and ``SuccessiveHalvingPruner``, one trial at a time on all the trial slots'
-  CPUs (the HF integration trains every trial on one Trainer object).
-
-Every method gets the space, the budget (examples per trial, evaluation points, ASHA's
-rungs), the number of trials, the seed and the data rows that ``tune_driver.py`` resolves
-for these arguments (bench/peer_problem.py), and the same trial slots (``--cpus-per-trial``
-each, ``--max-concurrent`` at once).  Each (method, seed) runs in a process of its own
-(its own Ray start, as a user's script has), one after another; the bench measures its
-wall time and the CPU seconds of the process and all its descendants (Ray's workers).
-Per method and seed it records: wall; examples trained (each trial's last evaluation);
-CPU busy = CPU seconds / (wall x cores); the selected trial (each tool's own pick) and
-the val and dev overall of its model, both scored here with the project's evaluation
-code on the same rows (dev never selects); the trials that trained to the end of the
-budget; the digest of the rows each trial trained on and the space the method searched
-(checked equal across methods).  Runs are kept in ``OUT/runs.json`` (later calls add to
-it; the settings must match) and written with the figures to ``--json``.
-
-``--same-draws``: the configurations are drawn once per seed (``same_draws``: a seeded
-Optuna RandomSampler over the space) and every method tries that list, in that order,
-as its searcher's given points (the project's ``--points``; ``OptunaSearch(
-points_to_evaluate=...)`` in the Ray peers; trials enqueued in the Optuna study of
-``hf_optuna``): what differs is the tool -- its scheduler, its trainer, its overheads --
-not the sampler's luck.  Over the seeds the figures then pair each peer with the
-project (:func:`paired`): the mean difference of wall, examples per second over the
-wall, CPU seconds, val and dev, its 95 % t interval, and win / tie / loss counts.
+Every method gets the problem ``tune_driver.py`` resolves for these arguments
+(bench/peer_problem.py) and the same trial slots; each (method, seed) runs in a process
+of its own, timed with the CPU seconds of its process tree; its pick is scored here on
+the same val and dev rows.  ``--same-draws``: every method tries one seeded list of
+configurations; the figures then pair each peer with the project over the seeds
+(:func:`paired`).  Runs are kept in ``OUT/runs.json`` and written with the figures to
+``--json``.
 """
 
 from __future__ import annotations
@@ -55,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import DATA_DIR, REPO, RESULTS
-from bench.peer_problem import (OBJECTIVE, TreeCPU, config_key, driver_argv, load_problem,
-                                same_draws, score)
-from mtbert.core.config import EMBEDDED_MODEL
+from bench.common import REPO, RESULTS, CpuMeter, add_data_arguments, shared_options
+from bench.peer_problem import (OBJECTIVE, canonical_space, config_key, load_problem,
+                                rows_digest, same_draws, score)
 
 METHODS = {
     "project": "tune_driver.py, its defaults",
@@ -67,7 +34,6 @@ METHODS = {
     "hf_optuna": "Trainer.hyperparameter_search(backend='optuna'): TPE, "
                  "SuccessiveHalvingPruner",
 }
-PEERS = [m for m in METHODS if m != "project"]
 #: the settings every run kept in one runs.json shares
 SAME = ("space", "budget", "num_samples", "cpus_per_trial", "gpus_per_trial",
         "max_concurrent", "data_dir", "model", "same_draws")
@@ -92,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-trial", type=float, default=0.0,
                    help="each trial's share of a GPU (0: train on the CPU)")
     p.add_argument("--max-concurrent", type=int, default=2, help="trials at once")
-    p.add_argument("--data-dir", default=str(DATA_DIR))
-    p.add_argument("--model", default=EMBEDDED_MODEL)
+    add_data_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "peers"),
                    help="keeps runs.json and each run's folder (removed once recorded, "
                         "unless --keep-runs)")
@@ -106,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-draws", action="store_true",
                    help="draw the configurations once per seed (a seeded random sampler) "
                         "and give every method that list, in order")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run nothing: write to --json the problem each seed's methods get "
+                        "(space, budget, the rows' digests, --same-draws' draws)")
     p.add_argument("--one", choices=list(METHODS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -114,30 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None):
     p = build_parser()
     args = p.parse_args(argv)
-    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.method_list if m not in METHODS]
-    if unknown or not args.method_list:
-        p.error(f"--methods {args.methods}: unknown {unknown}; choose from {', '.join(METHODS)}")
-    try:
-        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--seeds {args.seeds}: expected integers separated by commas")
-    if not args.seed_list:
-        p.error("--seeds: give at least one seed")
+    shared_options(p, args, METHODS)
     if args.num_samples is not None and args.num_samples < 1:
         p.error(f"--num-samples {args.num_samples}: must be >= 1")
     if args.max_concurrent < 1 or args.cpus_per_trial <= 0:
         p.error("--max-concurrent and --cpus-per-trial must be positive")
-    if not 0 <= args.gpus_per_trial <= 1:
-        p.error(f"--gpus-per-trial {args.gpus_per_trial}: expected a share of one GPU, 0 to 1")
     return p, args
 
 
 def problem_argv(args, seed: int, storage: Path, experiment: str) -> list[str]:
-    """``tune_driver.py``'s arguments for this bench's settings and ``seed``."""
-    return driver_argv(args.space, args.budget, seed, args.data_dir, args.model, str(storage),
-                       experiment, args.num_samples, args.cpus_per_trial,
-                       args.gpus_per_trial, args.max_concurrent)
+    """``tune_driver.py``'s arguments for the project's search (its defaults: scheduler,
+    searcher, rung metric, ensemble) with this bench's settings and ``seed``."""
+    argv = ["--space", args.space, "--budget", args.budget, "--seed", str(seed),
+            "--data-dir", args.data_dir, "--model", args.model, "--storage-path", str(storage),
+            "--experiment", experiment, "--cpus-per-trial", f"{args.cpus_per_trial:g}",
+            "--gpus-per-trial", f"{args.gpus_per_trial:g}",
+            "--max-concurrent", str(args.max_concurrent)]
+    return argv + (["--num-samples", str(args.num_samples)] if args.num_samples else [])
 
 
 # ---------------------------------------------------------------------- one run
@@ -178,7 +139,6 @@ def run_method(method: str, argv: list[str], out: Path, cpus_per_trial: float = 
         metrics = score(model, cfg, problem.data, split)
         selected[split] = metrics[f"{split}/overall"]
         selected[f"{split}_se"] = metrics[f"{split}/overall_se"]
-    from bench.peer_problem import rows_digest
     end = problem.budget.max_examples
     record.update(method=method, seed=problem.seed, problem_rows=rows_digest(problem.data),
                   examples=sum(t["examples"] for t in record["trials"]),
@@ -194,7 +154,6 @@ def _run_project(argv: list[str]) -> dict[str, Any]:
     from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
     from mtbert.tune.cli import main
-    from bench.peer_problem import canonical_space, rows_digest
 
     rc = main(argv)
     if rc != 0:
@@ -251,8 +210,6 @@ def _one(args) -> int:
 def measure(method: str, seed: int, args, out: Path) -> dict[str, Any]:
     """Run ``method`` for ``seed`` in a process of its own; its record with wall time, the
     CPU seconds of its process tree and the machine's load."""
-    import psutil  # deferred: the bench's extra
-
     result = out / f"{method}-seed{seed}.json"
     result.unlink(missing_ok=True)
     log = out / f"{method}-seed{seed}.log"
@@ -266,10 +223,9 @@ def measure(method: str, seed: int, args, out: Path) -> dict[str, Any]:
     started = time.time()
     with open(log, "w", encoding="utf-8") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
-        meter = TreeCPU(proc.pid)
+        meter = CpuMeter(proc.pid)
         rc = proc.wait()
-    cpu_s = meter.stop()
-    cores = psutil.cpu_count() or 1
+    cpu_s, cores = meter.stop(), os.cpu_count() or 1
     figures = {"wall_s": meter.wall_s, "cpu_s": cpu_s,
                "cpu_busy": cpu_s / (meter.wall_s * cores), "cores": cores,
                "machine_busy": meter.machine_busy, "load_before": load_before,
@@ -397,10 +353,28 @@ def paired_table(pairs: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def dry_run(args) -> int:
+    """``--dry-run``: each seed's problem, as :func:`run_method` gives it to every method."""
+    problems = {}
+    for seed in args.seed_list:
+        problem = load_problem(problem_argv(args, seed, Path(args.out) / "dry-run", "dry-run"))
+        problems[str(seed)] = {
+            "space": canonical_space(problem.space.params), "rows": rows_digest(problem.data),
+            "num_trials": problem.num_samples, "max_examples": problem.budget.max_examples,
+            "eval_points": problem.eval_points(), "rungs": problem.budget.rungs(),
+            "draws": same_draws(problem.space, problem.num_samples, seed)
+            if args.same_draws else None}
+    Path(args.json).write_text(json.dumps(problems, indent=1) + "\n", encoding="utf-8")
+    print(f"[peers] the problems of seeds {args.seed_list} in {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     if args.one:
         return _one(args)
+    if args.dry_run:
+        return dry_run(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs_file = out / "runs.json"
@@ -418,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 record = measure(method, seed, args, out)
                 record["command"] = command
                 runs.setdefault(method, {})[seed] = record
-                _print_run(record)
+                print("[peers]", table_row(method, seed, record, runs.get("project", {}).get(seed)),
+                      f"(log {record['log']})" if record.get("failed") else "", flush=True)
                 _write(runs_file, args, settings, runs)
     _write(runs_file, args, settings, runs)
     print(markdown_table(runs))
@@ -452,43 +427,28 @@ def _check_problem(args, p, out: Path) -> None:
         p.error(lines[0][len("error: "):] if lines else "the driver refused these settings")
 
 
-def _print_run(r: dict) -> None:
+def table_row(method: str, seed: int, r: dict, project: dict | None = None) -> str:
+    """One run as a row of :func:`markdown_table` (``project``: its seed's project run)."""
     if r.get("failed"):
-        print(f"[peers] {r['method']} seed {r['seed']}: FAILED (rc {r['rc']}; log {r['log']})",
-              flush=True)
-        return
-    s = r["selected"]
-    print(f"[peers] {r['method']:<10} seed {r['seed']}: wall {r['wall_s']:.0f} s, "
-          f"{r['examples']} examples, CPU busy {r['cpu_busy']:.2f} (machine "
-          f"{r['machine_busy']:.2f}), val {s['val']:.4f}, dev {s['dev']:.4f} ± "
-          f"{s['dev_se']:.4f}, {r['trials_at_end']}/{r['num_trials']} trials to the end",
-          flush=True)
+        return f"| `{method}` | {seed} | failed (rc {r['rc']}) | | | | | | | | |"
+    s, wall = r["selected"], r["wall_s"]
+    ratio = (f"{project['wall_s'] / wall:.2f}" if project and method != "project"
+             and not project.get("failed") else "")
+    return (f"| `{method}` | {seed} | {int(wall // 60)} min {int(wall % 60)} s | {ratio} | "
+            f"{r['examples']:,} | {r['examples'] / wall:.1f} | {r['cpu_s']:,.0f} | "
+            f"{r['cpu_busy']:.2f} ({r['machine_busy']:.2f}) | "
+            f"{s['val']:.4f} ± {s['val_se']:.4f} | {s['dev']:.4f} ± {s['dev_se']:.4f} | "
+            f"{r['trials_at_end']} of {r['num_trials']} |")
 
 
 def markdown_table(runs: dict[str, dict[int, dict]]) -> str:
     """The runs as the page's table: one row per method and seed."""
-    lines = ["| method | seed | wall | project wall / this wall | examples | ex/s over the "
-             "wall | CPU s | CPU busy (machine) | val overall | dev overall | trials to the "
-             "end |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
-        project = runs.get("project", {}).get(seed)
-        for method in METHODS:
-            r = runs.get(method, {}).get(seed)
-            if r is None:
-                continue
-            if r.get("failed"):
-                lines.append(f"| `{method}` | {seed} | failed (rc {r['rc']}) | | | | | | | | |")
-                continue
-            s, wall = r["selected"], r["wall_s"]
-            ratio = (f"{project['wall_s'] / wall:.2f}" if project and method != "project"
-                     and not project.get("failed") else "")
-            lines.append(
-                f"| `{method}` | {seed} | {int(wall // 60)} min {int(wall % 60)} s | {ratio} | "
-                f"{r['examples']:,} | {r['examples'] / wall:.1f} | {r['cpu_s']:,.0f} | "
-                f"{r['cpu_busy']:.2f} ({r['machine_busy']:.2f}) | "
-                f"{s['val']:.4f} ± {s['val_se']:.4f} | {s['dev']:.4f} ± {s['dev_se']:.4f} | "
-                f"{r['trials_at_end']} of {r['num_trials']} |")
-    return "\n".join(lines)
+    return "\n".join(["| method | seed | wall | project wall / this wall | examples | ex/s over "
+                      "the wall | CPU s | CPU busy (machine) | val overall | dev overall | "
+                      "trials to the end |", "| --- " * 11 + "|"] + [
+        table_row(method, seed, runs[method][seed], runs.get("project", {}).get(seed))
+        for seed in sorted({s for by_seed in runs.values() for s in by_seed})
+        for method in METHODS if seed in runs.get(method, {})])
 
 
 def portable(text: str, args) -> str:

@@ -1,25 +1,10 @@
 """Quality of a finished search on the *whole* validation split and dev files, beside the
-zero-shot MiniLM baseline and the published reports.
+zero-shot MiniLM baseline and the published reports (docs/bench/quality.md).
 
-    python -m bench.quality --experiment-dir ray_results/EXPERIMENT [--data-dir ../shared/data]
-        [--threads 2] [--out bench_results/quality]
-    python -m bench.quality --baseline-only            # the zero-shot rows alone
-
-A search scores its trials on the budget's slices (``medium``: 1,000 rows per task); this
-re-scores the best trial's and the ensemble members' best checkpoints on every row of the
-validation split (10 % of train, the selection split) and of the dev files (SST 1,101,
-QQP 20,212 valid rows, STS 863), and rebuilds the ensemble the search chose (same
-members, same method) from those predictions.
-
-Zero-shot baseline (no fine-tuning; the packaged MiniLM, mean-pooled sentence
-embeddings): STS = cosine of the two sentences (Pearson r is invariant to scaling it to
-0..5); QQP = cosine above a threshold, the one threshold fitted for accuracy on the
-validation split; SST = the majority class of the training rows (a sentence embedding
-without a classifier has no SST prediction: this row is the floor, not a model).
-
-Reports (``../shared/reports``, BERT-base fine-tuned on GPU on the full data, dev
-files): report 004's best, the target figure.  Writes ``quality.json`` and
-prints a Markdown table.
+The best trial's and the ensemble members' kept models re-scored on every val and dev
+row, the search's ensemble rebuilt from those predictions; the zero-shot baseline
+(mean-pooled MiniLM: STS the cosine, QQP the cosine above the cut fitted on val, SST the
+majority class); report 004's dev figures.  Writes ``quality.json``, prints the table.
 """
 
 from __future__ import annotations
@@ -34,13 +19,13 @@ import numpy as np
 
 from bench.common import RESULTS, add_data_arguments
 
-
 # report 004 (../shared/reports), dev files, BERT-base on GPU, full QQP training split
 REPORT_004_DEV = {"sst_acc": 0.545, "qqp_acc": 0.908, "sts_corr": 0.894, "overall": 0.800}
+SCORES = ("overall", "sst_acc", "qqp_acc", "sts_corr")
 
 
 def _scores(metrics: dict, split: str) -> dict[str, float]:
-    return {k: float(metrics[f"{split}/{k}"]) for k in ("sst_acc", "qqp_acc", "sts_corr", "overall")}
+    return {k: float(metrics[f"{split}/{k}"]) for k in SCORES}
 
 
 def load_full_data(base: dict, data_dir: str):
@@ -49,9 +34,8 @@ def load_full_data(base: dict, data_dir: str):
     from mtbert.data import load_data
     keep = {k: base[k] for k in ("model", "max_length", "val_fraction", "split_seed",
                                  "bad_row_tolerance") if k in base}
-    cfg = TrainConfig.from_dict({**keep, "data_dir": data_dir, "max_train_per_task": 0,
-                                 "max_eval_per_task": 0}, source="quality")
-    return load_data(cfg)
+    return load_data(TrainConfig.from_dict({**keep, "data_dir": data_dir, "max_train_per_task": 0,
+                                            "max_eval_per_task": 0}, source="quality"))
 
 
 # ---------------------------------------------------------------------- zero-shot baseline
@@ -86,8 +70,8 @@ def best_threshold(scores: np.ndarray, gold: np.ndarray) -> float:
 
 
 def zero_shot(data) -> dict[str, dict[str, float]]:
-    from mtbert.run.metrics import accuracy, overall_score, pearson
     from mtbert.core.pretrained import load_encoder
+    from mtbert.run.metrics import accuracy, overall_score, pearson
     encoder = load_encoder(data.model).eval()
     train_sst = data.split("sst", "train").labels.astype(np.int64)
     majority = int(np.bincount(train_sst, minlength=5).argmax())
@@ -95,15 +79,12 @@ def zero_shot(data) -> dict[str, dict[str, float]]:
     cut = best_threshold(cos_val, data.split("qqp", "val").labels)
     out: dict[str, dict[str, float]] = {}
     for name in ("val", "dev"):
-        sst = data.split("sst", name).labels
-        qqp = data.split("qqp", name)
-        sts = data.split("sts", name)
+        sst, qqp, sts = data.split("sst", name), data.split("qqp", name), data.split("sts", name)
         cos_qqp = cos_val if name == "val" else _cosines(encoder, qqp, data.pad_id)
-        scores = {"sst_acc": accuracy(np.full(len(sst), majority), sst),
+        scores = {"sst_acc": accuracy(np.full(len(sst.labels), majority), sst.labels),
                   "qqp_acc": accuracy((cos_qqp > cut).astype(np.int64), qqp.labels),
                   "sts_corr": pearson(_cosines(encoder, sts, data.pad_id), sts.labels)}
-        scores["overall"] = overall_score(scores["sst_acc"], scores["qqp_acc"], scores["sts_corr"])
-        out[name] = scores
+        out[name] = {"overall": overall_score(*scores.values()), **scores}
     out["settings"] = {"sst_majority_class": majority, "qqp_cosine_threshold": cut}
     return out
 
@@ -157,14 +138,10 @@ def rescore_search(exp_dir: Path, data) -> dict:
 
 
 def table(rows: list[tuple[str, dict | None, dict | None]]) -> str:
-    head = ("| | val overall | val SST | val QQP | val STS r | dev overall | dev SST | dev QQP "
-            "| dev STS r |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    lines = [head]
+    lines = ["| | val overall | val SST | val QQP | val STS r | dev overall | dev SST | dev QQP "
+             "| dev STS r |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, val, dev in rows:
-        cells = []
-        for part in (val, dev):
-            for k in ("overall", "sst_acc", "qqp_acc", "sts_corr"):
-                cells.append("–" if part is None else f"{part[k]:.3f}")
+        cells = ["–" if part is None else f"{part[k]:.3f}" for part in (val, dev) for k in SCORES]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -180,46 +157,40 @@ def main(argv: list[str] | None = None) -> int:
     if not args.baseline_only and not args.experiment_dir:
         p.error("--experiment-dir is required (or --baseline-only)")
     import torch
-    torch.set_num_threads(args.threads)
-    base: dict = {}
-    exp_dir = Path(args.experiment_dir) if args.experiment_dir else None
-    if exp_dir is not None:
-        if not (exp_dir / "summary.json").is_file():
-            print(f"error: {exp_dir}: no summary.json (not a finished search)", file=sys.stderr)
-            return 2
-        settings = json.loads((exp_dir / "mtbert_search.json").read_text(encoding="utf-8")) \
-            if (exp_dir / "mtbert_search.json").is_file() else {}
-        base = settings.get("base", {})
-    if not base:
-        from mtbert.core.config import TrainConfig
-        base = TrainConfig().__dict__
+
+    from mtbert.core.atomic import atomic_write_json
+    from mtbert.core.config import TrainConfig
     from mtbert.core.errors import MtbertError
     from mtbert.core.tasks import TASK_NAMES
+    torch.set_num_threads(args.threads)
+    exp_dir = Path(args.experiment_dir) if args.experiment_dir else None
+    if exp_dir is not None and not (exp_dir / "summary.json").is_file():
+        print(f"error: {exp_dir}: no summary.json (not a finished search)", file=sys.stderr)
+        return 2
+    settings = exp_dir / "mtbert_search.json" if exp_dir is not None else None
+    base = (json.loads(settings.read_text(encoding="utf-8")).get("base", {})
+            if settings is not None and settings.is_file() else {}) or TrainConfig().__dict__
     try:
         data = load_full_data(base, args.data_dir)
     except MtbertError as exc:  # bad data folder or model: one line, exit 2, nothing written
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sizes = {t: {s: len(data.split(t, s)) for s in ("train", "val", "dev")}
-             for t in TASK_NAMES}
+    sizes = {t: {s: len(data.split(t, s)) for s in ("train", "val", "dev")} for t in TASK_NAMES}
     print(f"[quality] rows: {sizes}", flush=True)
     t0 = time.perf_counter()
     result: dict = {"rows": sizes, "zero_shot": zero_shot(data), "report_004_dev": REPORT_004_DEV}
     print(f"[quality] zero-shot baseline in {time.perf_counter() - t0:.0f} s", flush=True)
-    if exp_dir is not None:
-        result["search"] = rescore_search(exp_dir, data)
-    from mtbert.core.atomic import atomic_write_json
-    out = Path(args.out)
-    atomic_write_json(out / "quality.json", result)
     zs = result["zero_shot"]
     rows = [("zero-shot MiniLM (SST: majority class)", zs["val"], zs["dev"])]
-    if "search" in result:
-        s = result["search"]
+    if exp_dir is not None:
+        s = result["search"] = rescore_search(exp_dir, data)
         rows.append((f"best trial `{s['best_trial']}`", s["best"]["val"], s["best"]["dev"]))
-        for method, e in s["ensembles"].items():
-            rows.append((f"ensemble: {method} over the top {len(s['candidates'])} "
-                         f"({len(e['members'])} used)", e["val"], e["dev"]))
+        rows += [(f"ensemble: {method} over the top {len(s['candidates'])} "
+                  f"({len(e['members'])} used)", e["val"], e["dev"])
+                 for method, e in s["ensembles"].items()]
     rows.append(("report 004 (BERT-base, GPU, full QQP)", None, REPORT_004_DEV))
+    out = Path(args.out)
+    atomic_write_json(out / "quality.json", result)
     print(table(rows))
     print(f"[quality] wrote {out / 'quality.json'}")
     return 0

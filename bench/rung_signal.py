@@ -1,29 +1,21 @@
 """What an early rung knows: do the scores at ASHA's rungs rank report 004's grid as the
-full-budget trainings do?
+full-budget trainings do?  (docs/bench/search_efficiency.md has its table.)
 
-    python -m bench.rung_signal [--seeds 0,1,2] [--stop 600]
-        [--out bench_results/search_efficiency] [--runs OUT/runs.json]
-
-Trains the grid's 10 configurations (dropout 0.1 ... 0.5 x lambda_s 1, 5) per seed with
-``bench/search_efficiency.py``'s settings (data slices, model, lr, warm-up, workers) and
-its ASHA rungs (evaluations at 222 and 666 examples), stopping past the second rung, and
-ranks them at each rung by every score against their full-budget validation overall --
-the same seed's grid run kept in ``--runs`` (the trainings are seeded and deterministic
-on the CPU, so a configuration's first 666 examples are those of its full training).
-Prints, per seed and rung, Spearman's rho of each score with the final one; writes the
-scores to ``OUT/rung_signal.json`` (Ray's trial folders to ``OUT/rung_signal``).
+The grid's 10 configurations per seed, on bench/search_efficiency.py's settings and ASHA
+rungs, trained past the second rung and ranked at each by every score against their
+full-budget val overall (the same seed's grid run in ``--runs``: the CPU trainings are
+deterministic); Spearman's rho per seed and rung, the scores in ``OUT/rung_signal.json``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from bench.search_efficiency import build_parser, parse_args
-from bench.search_methods import (DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_base,
-                                  bench_budget)
+from bench.search_runs import (DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_budget,
+                               bench_ray, grid_space)
 
 #: the scores compared: the objective, its soft stand-in and their parts
 SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",
@@ -33,36 +25,28 @@ SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "v
 def train_to_the_second_rung(args, seeds: list[int]) -> list[dict]:
     from ray import tune
 
-    from mtbert.core.config import TrainConfig
-    from mtbert.data import load_data
-    from mtbert.tune.infra import cluster
-    from mtbert.tune.trial import work_folders
-    from mtbert.tune.settings import run_fields
-    from mtbert.tune.trial.trainable import train_trial
     from mtbert.tune.search.tuner import make_tuner
-    base = bench_base(args)
-    data = load_data(TrainConfig.from_dict(base, source="bench"))
+    from mtbert.tune.settings import run_fields
+    from mtbert.tune.trial import work_folders
+    from mtbert.tune.trial.trainable import train_trial
     budget = bench_budget(args, METHODS[DEFAULT_METHOD])
-    cluster.start_local_ray(not args.no_dashboard, num_cpus=args.workers)
     rows = []
-    for seed in seeds:
-        trial_base = {**base, **run_fields(budget, "asha"), "seed": seed,
-                      "eval_at_start": False}
-        trainable = tune.with_resources(
-            tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
-        grid = {"dropout": tune.grid_search(list(DROPOUTS)),
-                "smart_lambda_sst": tune.grid_search(list(LAMBDAS))}
-        storage = Path(args.out).resolve() / "rung_signal"
-        tuner = make_tuner(trainable, grid, name=f"seed{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
-                           storage_path=str(storage), num_samples=1, num_to_keep=1,
-                           stop={"examples_seen": args.stop}, verbose=0)
-        for result in tuner.fit():
-            for _, row in result.metrics_dataframe.iterrows():
-                rows.append({"seed": seed, "dropout": result.config["dropout"],
-                             "smart_lambda_sst": result.config["smart_lambda_sst"],
-                             "examples": int(row["examples_seen"]),
-                             **{k: float(row[k]) for k in SCORES}})
-        work_folders.sweep(wait_s=5.0)
+    with bench_ray(args, Path(args.out).resolve() / "rung_signal") as (data, base, storage, _):
+        for seed in seeds:
+            trial_base = {**base, **run_fields(budget, "asha"), "seed": seed,
+                          "eval_at_start": False}
+            trainable = tune.with_resources(
+                tune.with_parameters(train_trial, data=data, base=trial_base), {"cpu": 1})
+            tuner = make_tuner(trainable, grid_space(), name=f"seed{seed}",
+                               storage_path=str(storage), num_samples=1, num_to_keep=1,
+                               stop={"examples_seen": args.stop}, verbose=0)
+            for result in tuner.fit():
+                for _, row in result.metrics_dataframe.iterrows():
+                    rows.append({"seed": seed, "dropout": result.config["dropout"],
+                                 "smart_lambda_sst": result.config["smart_lambda_sst"],
+                                 "examples": int(row["examples_seen"]),
+                                 **{k: float(row[k]) for k in SCORES}})
+            work_folders.sweep(wait_s=5.0)
     return rows
 
 

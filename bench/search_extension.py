@@ -1,31 +1,12 @@
 """Growing a finished search (the driver's ``--extend``) against one search of twice the size.
 
-    python -m bench.search_extension [--seeds 0,1,2] [--trials 4]
-        [--out bench_results/search_extension] [--docs docs/bench]
-        (and bench/search_efficiency.py's data, model, budget and worker flags)
-
-On bench/search_efficiency.py's slice (its flags and defaults: data rows, model, one full
-training = ``--full-examples``, lr, batch, warm-up, workers) with one method, by default
-the driver's default pair (``search_methods.DEFAULT_METHOD``), per seed s:
-
-* **A** -- a search of N = ``--trials`` trials, seed s;
-* **B** -- its extension: a search of N more trials whose searcher (seed s) is first told
-  A's trials as the driver's ``--extend`` tells it (mtbert.tune.results.extension:
-  ``earlier_from_records`` + ``searcher_points``, the objective A's own searcher saw);
-* **C** -- one search of 2N trials from scratch, seed s.
-
-Per seed and as mean +- sd over the seeds: the best validation overall of A and B
-together against C's; the dev overall of the trial each selects (the best-val trial of
-A or B, C's; its best checkpoint); the compute -- training examples (B: its own trials
-only) -- and wall seconds (A + B against C); that no trial of B repeats a configuration of
-A and that B's Ray experiment holds only B's trials (no example re-trains an old trial).
-The target: A and B's best val not below C's by more than one standard error, read per
-seed against C's best trial's ``val/overall_se`` (this decides: every seed must meet it)
-and as the mean difference against the standard error of the per-seed differences.
-
-Every run is kept in ``OUT/runs.json`` as it finishes (with what B was told, the commit
-and the load average); later calls add seeds to it (the settings must match).  Prints
-the table and writes ``DOCS/search_extension.json`` (docs/bench/search_extension.md).
+On bench/search_efficiency.py's slice with one method (default: the driver's pair), per
+seed: A, a search of N trials; B, its extension, N more trials whose searcher is told A's
+as ``--extend`` tells it; C, one search of 2N from scratch.  Figures per seed and over the
+seeds (A + B against C: best val, the selected dev, examples, wall, no old trial
+re-trained) and the target (A + B's best val within one se of C's, per seed and on the
+mean): docs/bench/search_extension.md.  Runs are kept in ``OUT/runs.json``; writes
+``DOCS/search_extension.json``.
 """
 
 from __future__ import annotations
@@ -35,19 +16,18 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import REPO, RESULTS
+from bench.common import REPO, RESULTS, commit
 from bench.search_efficiency import build_parser as efficiency_parser
-from bench.search_efficiency import open_runs
+from bench.search_efficiency import mean_sd, open_runs
 from bench.search_efficiency import parse_args as efficiency_args
-from bench.search_methods import DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget
-from bench.search_runs import bench_ray, keep_runs, run_method, settle_run
-from bench.search_stats import mean_sd
+from bench.search_runs import (DEFAULT_METHOD, METHODS, SAME, SPACES, bench_budget, bench_ray,
+                               keep_runs, run_method, settle_run)
+
 #: the three searches of a seed, in the order they run
 ROLES = ("first", "extension", "cold")
 
@@ -58,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {"trials": "N: trials of the first search and of its extension (the cold "
                        "search has 2N)",
              "methods": "the one searcher/scheduler pair measured (a key of "
-                        "search_methods.METHODS whose searcher can be told earlier trials)",
+                        "search_runs.METHODS whose searcher can be told earlier trials)",
              "out": "keeps runs.json (every run so far) and Ray's trial folders",
              "docs": "where search_extension.json goes",
              "population": argparse.SUPPRESS, "carry_figures": argparse.SUPPRESS}
@@ -103,52 +83,33 @@ def points_for_searcher(records: list, args, name: str) -> list:
                            rung_metric_keys(method.rung_metric)[0])
 
 
-def commit() -> str | None:
-    """The commit of the code measured (None outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def run_seed(seed: int, args, sitting, keep) -> dict:
-    """A, B (told A's trials) and C of one seed; ``keep(role, run)`` as each finishes."""
-    data, base, storage, _ = sitting
-    name, points, done = args.method, (), {}
-    for role in ROLES:
-        role_args = argparse.Namespace(**{**vars(args), "trials": args.trials * (
-            2 if role == "cold" else 1)})
-        experiment = f"{name}-seed{seed}-{role}"
-        print(f"[bench] seed {seed}: {role} search, {role_args.trials} trials of "
-              f"{METHODS[name].label}" + (f", told {len(points)} earlier trials"
-                                           if role == "extension" else "") + " ...", flush=True)
-        run = run_method(name, seed, data, base, role_args, storage,
-                         earlier=points if role == "extension" else (),
-                         experiment=experiment, records=role == "first")
-        if role == "first":
-            points = points_for_searcher(run.pop("records"), args, name)
-            run["told"] = [asdict(p) for p in points]
-        settle_run(run, args, storage, experiment, f"seed {seed} {role}")
-        done[role] = keep(role, run)
-    return done
-
-
 def measure(args, runs: dict, runs_file: Path, out: Path, command: str) -> dict:
-    """Every seed asked for (all three searches); each run is added to runs.json as it
-    finishes."""
-    with bench_ray(args, out) as sitting:
-        machine, code = sitting[3], commit()
-
-        def keep(role: str, run: dict) -> dict:
-            runs.setdefault(role, {})[run["seed"]] = kept = {
-                **run, "role": role, "command": command, "machine": machine,
-                "commit": code, "load_avg": list(os.getloadavg())}
-            keep_runs(runs_file, args, runs)
-            return kept
-
+    """Every seed asked for: A, B (told A's trials) and C, each run added to runs.json as
+    it finishes."""
+    name = args.method
+    with bench_ray(args, out) as (data, base, storage, machine):
+        code = commit()
         for seed in args.seed_list:
-            run_seed(seed, args, sitting, keep)
+            points = ()
+            for role in ROLES:
+                role_args = argparse.Namespace(**{**vars(args), "trials": args.trials * (
+                    2 if role == "cold" else 1)})
+                experiment = f"{name}-seed{seed}-{role}"
+                print(f"[bench] seed {seed}: {role} search, {role_args.trials} trials of "
+                      f"{METHODS[name].label}" + (f", told {len(points)} earlier trials"
+                                                   if role == "extension" else "") + " ...",
+                      flush=True)
+                run = run_method(name, seed, data, base, role_args, storage,
+                                 earlier=points if role == "extension" else (),
+                                 experiment=experiment, records=role == "first")
+                if role == "first":
+                    points = points_for_searcher(run.pop("records"), args, name)
+                    run["told"] = [asdict(p) for p in points]
+                settle_run(run, args, storage, experiment, f"seed {seed} {role}")
+                runs.setdefault(role, {})[seed] = {
+                    **run, "role": role, "command": command, "machine": machine,
+                    "commit": code, "load_avg": list(os.getloadavg())}
+                keep_runs(runs_file, args, runs)
     return runs
 
 

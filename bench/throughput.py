@@ -1,212 +1,497 @@
-"""Training throughput, model-FLOPs utilisation (MFU) and validation rows/s of MiniLM.
+"""The step bench: what a training step costs by engine (solo trainers, fused trials),
+number of trials N and technique, on the real data -- examples/s, useful GFLOP/s and MFU,
+ms per step (wall, host, GPU busy), ops per step, executed / real tokens, memory.
 
-Two measurements (``--mode``):
-
-* ``trainer`` (default): the real trainer loop (``Trainer.next_batches`` +
-  ``train_batches``: collate, device copy, the optimizer step of the configured
-  schedule) in ``--concurrent N`` processes on one device, each with its own Trainer,
-  started together. Per process, fixed costs apart from the steady state: start-up
-  (process start -> Trainer ready: imports, data from the token cache, model load),
-  warm-up (the first ``--warmup`` schedule steps: allocator, kernel selection,
-  torch.compile's graphs), then ``--steps`` steady steps (examples/s, useful GFLOP/s,
-  MFU), then the validation split scored twice (the first pass compiles/warms the eval
-  shapes; the second is the steady validation rows/s). Steady windows are aligned by a
-  barrier; "together" = all processes' steady examples over the union of their windows.
-* ``tasks``: the optimizer step alone per task at a fixed batch size, with length
-  bucketing on and off, and (CPU only) transformers' ``Trainer`` on the same model,
-  data, loss and threads as the reference (docs/bench/throughput.md).
-
-  python -m bench.throughput [--device cpu|cuda] [--concurrent N] [--steps 12] [--threads 2]
-         [--batch-size 32] [--pad-lengths auto|batch|buckets] [--compile none|default|reduce-overhead]
-  python -m bench.throughput --mode tasks --steps 12 --threads 2 [--skip-hf]
-
-MFU = useful model FLOPs per second / the measured matmul peak of the device (fp32 on
-the CPU on the same threads; bf16 on a GPU, where the trainer runs under bf16 autocast).
-Useful FLOPs count real (non-pad) tokens only: 6·N·T for the encoder's dense weights
-(N = non-embedding parameters, T = tokens; forward 2NT + backward 4NT) plus attention
-12·L·H·Σ s_i² (QKᵀ and AV, forward + backward) — padding work does not count.
+Modes (``--mode``; docs/bench/throughput.md, fused.md, techniques.md and training.md):
+``trainer`` (default), N solo trainers in fresh processes started together, each step
+drawn inside the timed window (start-up, warm-up, steady steps, validation rows/s, on
+CUDA host synchronisations and step graphs); ``fused``, N trials fused in one process
+against the same N unfused, the steps drawn first, trained ``--warmup`` more times, then
+once more, timed; ``techniques``, each ``--technique`` alone in a process (memory, ops),
+then all in one, in turn on the same batches; ``layer``, one BERT layer fused over N
+(``vmap``) against N layers in turn; ``tasks``, the optimizer step alone per task against
+transformers' ``Trainer`` (CPU); ``tokens``, executed / real tokens of N trials drawing
+together, no model.  MFU = useful FLOPs/s (6·N·T for the dense weights plus attention's
+12·L·H·Σ s², real tokens only) over the measured matmul peak (fp32 on the CPU, bf16 on a
+GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.util
 import json
 import multiprocessing as mp
 import os
+import queue
+import resource
+import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.common import add_data_arguments, synchronize
+from bench.common import REPO, add_data_arguments, seconds, synchronize
 from mtbert.core.config import TrainConfig, parse_set_args
-from mtbert.data import (ROW_WEIGHTS, TaskBatcher, collate, encoding_for, load_data,
-                         real_rows)
-from mtbert.techniques.losses import task_loss
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.step.trainer import Trainer
+from mtbert.data import (SharedBuckets, TaskBatcher, collate, encoding_for, load_data,
+                         real_rows)
+from mtbert.step.step_counts import OpCounter, group_tokens, real_lengths, step_tokens
+
+_SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0)
+#: ``--technique``: what each adds to the plain step (SMART: 1 ascent step; smart_l
+#: without the Bregman teacher, the smoothness term alone; PCGrad over the 3 tasks)
+TECHNIQUES = {"plain": {}, "smart": {**_SMART, "smart_mu": 1.0}, "smart_l": _SMART,
+              "pcgrad": {"pcgrad": True}, "both": {**_SMART, "smart_mu": 1.0, "pcgrad": True}}
+#: each mode's --trials, --steps and --warmup unless given
+DEFAULTS = {"trainer": ("1", 12, 4), "fused": ("1,2,4,8,16,32", 6, 2),
+            "techniques": ("1", 10, 0), "layer": ("1,2,4,8,16,32", 6, 2),
+            "tasks": ("1", 12, 2), "tokens": ("1,8,32", 400, 0)}
+#: what the fork server of the fused rows imports once (no CUDA use there)
+PRELOAD = ["torch", "transformers", "mtbert.step.fused_training", "mtbert.step.trainer"]
 
 
-
+# ------------------------------------------------------------------ figures
 def matmul_peak(device: torch.device, threads: int, repeats: int = 10) -> float:
     """Best GFLOP/s of a square matmul: fp32 n=2048 on the CPU (``threads`` threads),
     bf16 n=8192 on a GPU."""
     torch.set_num_threads(threads)
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)
-    synchronize(device)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
-    return best / 1e9
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    torch.mm(a, b)  # the first call picks the kernel
+    return max(2 * n ** 3 / seconds(device, lambda: torch.mm(a, b)) for _ in range(repeats)) / 1e9
 
 
 def useful_flops(encoder, lengths: np.ndarray) -> float:
     cfg = encoder.config
     n_dense = sum(p.numel() for name, p in encoder.named_parameters() if "embeddings" not in name)
-    tokens = float(lengths.sum())
-    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * float((lengths.astype(np.float64) ** 2).sum())
-    return 6 * n_dense * tokens + attention
+    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * float(
+        (lengths.astype(np.float64) ** 2).sum())
+    return 6 * n_dense * float(lengths.sum()) + attention
 
 
-def batch_lengths(batch: dict[str, torch.Tensor]) -> np.ndarray:
-    """Real tokens per sequence of a host batch (a fixed-size batch's filler rows aside)."""
-    masks = [v for k, v in batch.items() if k.startswith("attention_mask")]
-    real = batch.get(ROW_WEIGHTS)
-    keep = np.ones(len(masks[0]), dtype=bool) if real is None else real.numpy() > 0
-    return np.concatenate([m.sum(1).numpy()[keep] for m in masks])
+def peak_memory_mb(device: torch.device) -> float:
+    """The process's peak: allocated CUDA memory on a GPU, resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-# ------------------------------------------------------------------ mode: trainer
-def trainer_worker(rank: int, spawned_at: float, settings: dict, barrier, results) -> None:
-    """One trainer process: start-up, warm-up, steady steps, validation (see module doc)."""
+def _status_mb(key: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def step_memory_mb(device: torch.device, run) -> float | None:
+    """What ``run()`` adds: its peak over the memory before it (CUDA: allocated; CPU: the
+    resident set, its high-water mark reset first; None where Linux does not let it)."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    before = _status_mb("VmRSS")
+    run()
+    return _status_mb("VmHWM") - before
+
+
+def gpu_busy_ms(device: torch.device, run) -> float | None:
+    """Milliseconds of GPU kernels that ``run()`` launches (torch.profiler); None on a CPU
+    or where the profiler fails."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            synchronize(device)
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+    except RuntimeError as exc:  # no CUPTI: the row keeps its other figures
+        print(f"[bench] no GPU-busy time: {str(exc).splitlines()[0]}", flush=True)
+        return None
+
+
+# ------------------------------------------------------------------ one process of a row
+def worker(rank: int, settings: dict, barrier, results) -> None:
+    """One process of a row (module doc): its trials as one FusedGroup, or one solo trainer
+    each (several: the techniques, trained in turn on the same batches)."""
+    from mtbert.step.fused_training import FusedGroup, group_step
+    from mtbert.step.trainer import Trainer
+
     torch.set_num_threads(settings["threads"])
-    cfg = TrainConfig.from_dict(settings["config"])
-    data = load_data(cfg)
-    out = Path(tempfile.mkdtemp(prefix=f"mtbert-throughput-{rank}-"))
-    trainer = Trainer(cfg, data, out, checkpoints=False)
-    device = trainer.device
-    startup_s = time.time() - spawned_at
-    plan = [g for epoch in range(1, cfg.epochs + 1) for g in trainer.epoch_plan(epoch)]
-    warmup, steps = settings["warmup"], settings["steps"]
-    plan = (plan * (1 + (warmup + steps) // max(len(plan), 1)))[: warmup + steps]
+    configs = [TrainConfig.from_dict(c) for c in settings["configs"]]
+    data = load_data(configs[0])
+    outs = [Path(tempfile.mkdtemp(prefix=f"mtbert-bench-{rank}-")) for _ in configs]
+    if settings["fused"]:
+        group = FusedGroup(configs, data, outs, checkpoints=False)
+        trials = list(group.trials.values())
+        engines = [(trials, group_step(trials))]
+    else:
+        trials = [Trainer(c, data, o, checkpoints=False) for c, o in zip(configs, outs)]
+        engines = [([t], t.engine) for t in trials]
+    startup_s = time.time() - settings["spawned_at"]
+    device, live, steps = trials[0].device, settings["live"], settings["steps"]
+    graphs = getattr(trials[0], "step_graphs", None)
+    drawers = trials if settings["fused"] else trials[:1]
 
-    syncs = []
+    def draw() -> dict:
+        shared = SharedBuckets()  # as FusedGroup draws: each task's rows from one bucket
+        drawn = {t: t.next_update(shared) for t in drawers}
+        if None in drawn.values():
+            raise SystemExit("error: a trial trained to its end (give it more: --set epochs=...)")
+        return {t: drawn.get(t, drawn[drawers[0]]) for t in trials}
 
-    def run(groups, count_syncs: bool = False) -> tuple[int, float, float, float]:
-        import warnings
-        examples, flops = 0, 0.0
+    def train(step: dict, which=engines, stepped: bool = False) -> None:
+        for members, engine in which:
+            losses = engine.step({m: step[m] for m in members})
+            for m in members:
+                (m.stepped if stepped and m in drawers else m.count_update)(losses[m])
+
+    recorded, draw_s, warm_started = [], 0.0, time.time()
+    for i in range(settings["warmup"] + (0 if live else steps)):
+        if live:
+            train(draw(), stepped=True)
+        elif i < steps:  # the timed steps drawn first, as training draws them
+            started = time.perf_counter()
+            recorded.append(draw())
+            draw_s += time.perf_counter() - started
+            train(recorded[-1], stepped=True)
+        else:  # then trained `warmup` more times: every shape's graphs captured by then
+            for step in recorded:
+                train(step)
+    synchronize(device)
+    warmup_s = time.time() - warm_started
+    before = graphs.stats.as_metrics() if graphs is not None else {}
+    barrier.wait(timeout=settings["barrier_s"])
+    times, host_s = {name: [] for name in settings["names"]}, 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if live and device.type == "cuda":  # each host sync of the steps warns
+            torch.cuda.set_sync_debug_mode("warn")
+        started, cpu_started = time.time(), time.process_time()
+        for i in range(steps):
+            issued = time.perf_counter()
+            if live:
+                recorded.append(draw())
+                draw_s += time.perf_counter() - issued
+            if not settings["rotate"]:
+                train(recorded[i], stepped=live)
+            for j in range(len(engines)) if settings["rotate"] else ():
+                k = (i + j) % len(engines)  # the order rotates from round to round
+                times[settings["names"][k]].append(
+                    seconds(device, lambda: train(recorded[i], [engines[k]])))
+            host_s += time.perf_counter() - issued
         synchronize(device)
-        started = time.time()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if count_syncs and device.type == "cuda":  # each host sync of the steps warns
-                torch.cuda.set_sync_debug_mode("warn")
-            for group in groups:
-                batches = trainer.next_batches(group)
-                for batch in batches.values():
-                    examples += real_rows(batch)
-                    flops += useful_flops(trainer.model.encoder, batch_lengths(batch))
-                trainer.train_batches(batches)
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
-        syncs.extend(str(w.message).splitlines()[0] for w in caught
-                     if "synchroniz" in str(w.message))
-        synchronize(device)
-        trainer.check_losses()  # the NaN check the trainer makes at its log points
-        return examples, flops, started, time.time()
-
-    _, _, w0, w1 = run(plan[:warmup])
-    graphs = trainer.step_graphs
-    before = dict(graphs.stats.as_metrics()) if graphs is not None else {}
-    barrier.wait()
-    examples, flops, s0, s1 = run(plan[warmup:], count_syncs=True)
+        ended, cpu_s = time.time(), time.process_time() - cpu_started
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     after = graphs.stats.as_metrics() if graphs is not None else {}
-    barrier.wait()
-    rows = sum(len(data.split(t, "val")) for t in TASK_NAMES)
-    timings = []
-    for _ in range(2):  # first pass: eval shapes warm up / compile; second: steady
-        synchronize(device)
-        t = time.perf_counter()
-        trainer.evaluate("val")
-        synchronize(device)
-        timings.append(time.perf_counter() - t)
-    results.put({"rank": rank, "startup_s": startup_s, "warmup_s": w1 - w0, "warmup_steps": warmup,
-                 "examples": examples, "flops": flops, "steady_start": s0, "steady_end": s1,
-                 "val_rows": rows, "eval_first_s": timings[0], "eval_s": timings[1],
-                 "device": str(device), "static_max_length": trainer.static_max_length,
-                 "step_mode": "graphs" if graphs is not None else "eager",
-                 "graphs_after_warmup": before, "graphs_after_steady": after,
-                 "host_syncs": len(syncs) if device.type == "cuda" else None,
-                 "sync_examples": sorted(set(syncs))[:3]})
+    barrier.wait(timeout=settings["barrier_s"])
+    # the first pass: the evaluation's shapes warm up
+    evals = [seconds(device, lambda: trials[0].evaluate("val"))
+             for _ in range(2 if settings["eval"] else 0)]
+    profiled = recorded[:5]
+    gpu_ms = gpu_busy_ms(device, lambda: [train(s) for s in profiled])
+    with OpCounter() as counter:
+        train(recorded[0])
+    step_mb = step_memory_mb(device, lambda: train(recorded[0]))
+    for t in trials:
+        t.check_losses()
+    host = [b for step in recorded for t in drawers for b in step[t].values()]
+    tokens = [step_tokens({t: s[t] for t in drawers}, settings["fused"]) for s in recorded]
+    figures = {
+        "rank": rank, "examples": sum(real_rows(b) for b in host), "start": started,
+        "end": ended, "cpu_s": cpu_s, "steps": steps, "startup_s": startup_s,
+        "warmup_s": warmup_s, "host_ms_per_step": 1000 * host_s / steps,
+        "flops": sum(useful_flops(trials[0].model.encoder, real_lengths(b)) for b in host),
+        "gpu_ms_per_step": None if gpu_ms is None else gpu_ms / len(profiled),
+        "draw_ms_per_step": 1000 * draw_s / steps, "ops_per_step": counter.ops,
+        "executed_tokens": sum(e for e, _ in tokens), "real_tokens": sum(r for _, r in tokens),
+        "graphs_captured": before.get("graphs/captured", 0),
+        "graphs_captured_in_window": after.get("graphs/captured", 0)
+        - before.get("graphs/captured", 0), "graphs_after_warmup": before,
+        "graphs_after_steady": after, "memory_mb": peak_memory_mb(device), "step_mb": step_mb,
+        "device": str(device), "static_max_length": trials[0].static_max_length,
+        "step_mode": "fused" if settings["fused"] else "graphs" if graphs is not None else "eager",
+        "host_syncs": len(syncs) if live and device.type == "cuda" else None,
+        "sync_examples": sorted(set(syncs))[:3], "times": times}
+    if evals:
+        figures.update(val_rows=sum(len(data.split(t, "val")) for t in TASK_NAMES),
+                       eval_first_s=evals[0], eval_s=evals[1])
+    results.put(figures)
 
 
-def bench_trainer(args, peak: float) -> list[dict]:
-    n = args.concurrent
-    threads = max(1, args.threads // n)  # the host's threads, shared by the processes
-    config = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
-                  device=args.device, threads=threads, progress=False, eval_dev=False,
-                  pad_lengths=args.pad_lengths, compile=args.compile, step_mode=args.step_mode,
-                  eval_batch_size=args.eval_batch_size, max_eval_per_task=args.eval_rows,
-                  **parse_set_args(args.set))
-    TrainConfig.from_dict(config)  # bad values fail here, before any process starts
-    settings = {"config": config, "threads": threads, "warmup": args.warmup, "steps": args.steps}
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=trainer_worker, args=(r, time.time(), settings, barrier, results))
-             for r in range(n)]
-    for proc in procs:
-        proc.start()
-    rows = [results.get() for _ in procs]
-    for proc in procs:
-        proc.join()
+class WorkerError(RuntimeError):
+    """A bench process exited without its figures, or did not send them in time."""
+
+
+def run_processes(settings: list[dict], timeout_s: float, start: str = "forkserver") -> dict:
+    """One process per settings, started together (``spawn``: fresh interpreters;
+    ``forkserver``: forked from a server that imported :data:`PRELOAD`); their figures over
+    the union of their windows.  A process that exits without its figures or a run past
+    ``timeout_s`` ends them all: :class:`WorkerError` says which."""
+    ctx = mp.get_context(start)
+    barrier, results = ctx.Barrier(len(settings)), ctx.Queue()
+    procs = []
+    for rank, s in enumerate(settings):
+        procs.append(ctx.Process(target=worker, args=(rank, {
+            **s, "spawned_at": time.time(), "barrier_s": timeout_s}, barrier, results)))
+        procs[-1].start()
+    rows, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(rows) < len(procs):
+            try:
+                rows.append(results.get(timeout=0.5))
+                continue
+            except queue.Empty:
+                pass
+            gone = [rank for rank, p in enumerate(procs) if p.exitcode is not None]
+            if set(gone) - {r["rank"] for r in rows}:
+                time.sleep(1.0)  # a result put just before a clean exit may still be in flight
+                while not results.empty():
+                    rows.append(results.get())
+                lost = sorted(set(gone) - {r["rank"] for r in rows})
+                if lost:
+                    raise WorkerError(", ".join(f"process {r} exited {procs[r].exitcode}"
+                                                for r in lost) + " without its figures")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"{len(procs) - len(rows)} of {len(procs)} processes sent no "
+                                  f"figures within {timeout_s:.0f} s")
+    finally:
+        for proc in procs:
+            if proc.is_alive() and len(rows) < len(procs):
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
     rows.sort(key=lambda r: r["rank"])
-    print(f"{n} trainer process(es) on {rows[0]['device']}, {threads} thread(s) each, batch "
-          f"{args.batch_size}, pad_lengths={args.pad_lengths} (static max length "
-          f"{rows[0]['static_max_length'] or 'off'}), compile={args.compile}, "
-          f"step={rows[0]['step_mode']}, {args.warmup} warm-up + {args.steps} steady schedule "
-          f"steps{', ' + ' '.join(args.set) if args.set else ''}")
-    print(f"{'proc':>4} {'start-up s':>10} {'warm-up s':>9} {'ex/s':>8} {'GFLOP/s':>8} {'MFU':>6} "
-          f"{'eval 1st s':>10} {'val rows/s':>10}")
-    for r in rows:
-        span = r["steady_end"] - r["steady_start"]
-        r["ex_per_s"] = r["examples"] / span
-        r["gflops"] = r["flops"] / span / 1e9
-        r["val_rows_per_s"] = r["val_rows"] / r["eval_s"]
-        print(f"{r['rank']:>4} {r['startup_s']:10.1f} {r['warmup_s']:9.1f} {r['ex_per_s']:8.1f} "
-              f"{r['gflops']:8.1f} {r['gflops'] / peak:6.1%} {r['eval_first_s']:10.2f} "
-              f"{r['val_rows_per_s']:10.1f}")
-    window = max(r["steady_end"] for r in rows) - min(r["steady_start"] for r in rows)
-    total = sum(r["examples"] for r in rows) / window
-    gflops = sum(r["flops"] for r in rows) / window / 1e9
-    for r in rows:
-        if r["step_mode"] == "graphs":
-            w, s = r["graphs_after_warmup"], r["graphs_after_steady"]
-            print(f"  proc {r['rank']} graphs: {s['graphs/shapes']} (task, shape)s met, "
-                  f"{s['graphs/captured']} graphs captured in {s['graphs/capture_s']:.1f} s "
-                  f"({w['graphs/captured']} by the end of the warm-up); steady steps "
+    window = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+    examples, gpu = sum(r["examples"] for r in rows), [r["gpu_ms_per_step"] for r in rows]
+    total = lambda key: sum(r[key] for r in rows)  # noqa: E731
+    return {"processes": rows, "window_s": window, "ex_per_s": examples / window,
+            "gflops": total("flops") / window / 1e9,
+            "ms_per_step": 1000 * window / rows[0]["steps"],
+            **{k: total(k) / len(rows) for k in ("host_ms_per_step", "draw_ms_per_step")},
+            "gpu_ms_per_step": None if None in gpu else sum(gpu),
+            **{k: total(k) for k in ("ops_per_step", "executed_tokens", "real_tokens",
+                                     "graphs_captured_in_window", "memory_mb")},
+            "executed_per_real_token": total("executed_tokens") / max(1, total("real_tokens")),
+            "step_mb": None if any(r["step_mb"] is None for r in rows) else total("step_mb"),
+            "cpu_s_per_1000_ex": 1000 * total("cpu_s") / examples,
+            "step_mode": rows[0]["step_mode"]}
+
+
+# ------------------------------------------------------------------ modes
+def base_config(args, technique: str, **defaults) -> dict:
+    config = dict(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
+                  device=args.device, progress=False, eval_dev=False, eval_every=10 ** 9,
+                  pad_lengths=args.pad_lengths, compile=args.compile,
+                  step_mode=args.step_mode, eval_batch_size=args.eval_batch_size,
+                  max_eval_per_task=args.eval_rows, **defaults, **TECHNIQUES[technique])
+    config.update(parse_set_args(args.set))
+    TrainConfig.from_dict(config)  # bad values fail here, before any process starts
+    return config
+
+
+def process(args, configs: list[dict], threads: int, fused: bool = False, **more) -> dict:
+    live = args.mode == "trainer"
+    return {"configs": configs, "fused": fused, "threads": threads, "live": live,
+            "eval": live, "rotate": False, "names": [], "steps": args.steps,
+            "warmup": args.warmup, **more}
+
+
+def print_row(n: int, engine: str, f: dict, peak: float) -> None:
+    gpu, step_mb = f["gpu_ms_per_step"], f["step_mb"]
+    print(f"{n:>3} {engine:>8} {f['step_mode']:>6} {f['ex_per_s']:9.1f} {f['ms_per_step']:8.1f} "
+          f"{f['host_ms_per_step']:8.1f} {'-' if gpu is None else f'{gpu:.1f}':>7} "
+          f"{f['ops_per_step']:7d} {f['executed_per_real_token']:9.2f} {f['memory_mb']:9.0f} "
+          f"{'-' if step_mb is None else f'{step_mb:.0f}':>7} {f['gflops']:8.1f} "
+          f"{f['gflops'] / peak:6.1%}", flush=True)
+    for r in f["processes"] if "eval_s" in f["processes"][0] else ():
+        span = r["end"] - r["start"]
+        print(f"    proc {r['rank']}: start-up {r['startup_s']:.1f} s, warm-up "
+              f"{r['warmup_s']:.1f} s, {r['examples'] / span:.1f} ex/s, MFU "
+              f"{r['flops'] / span / 1e9 / peak:.1%}; validation {r['val_rows'] / r['eval_s']:.1f} "
+              f"rows/s (first pass {r['eval_first_s']:.2f} s)")
+        w, s = r["graphs_after_warmup"], r["graphs_after_steady"]
+        if s:
+            print(f"      graphs: {s['graphs/shapes']} (task, shape)s met, {s['graphs/captured']} "
+                  f"captured in {s['graphs/capture_s']:.1f} s ({w['graphs/captured']} by the end "
+                  f"of the warm-up); steady steps "
                   f"{s['graphs/replayed_steps'] - w['graphs/replayed_steps']} replayed, "
                   f"{s['graphs/eager_steps'] - w['graphs/eager_steps']} eager")
-    if rows[0]["host_syncs"] is not None:
-        print(f"host synchronisations in the steady steps (torch.cuda sync debug mode): "
-              f"{[r['host_syncs'] for r in rows]} {rows[0]['sync_examples']}")
-    print(f"together: {total:.1f} ex/s, {gflops:.1f} useful GFLOP/s, MFU {gflops / peak:.1%} "
-          f"(steady windows, union {window:.1f} s)")
+        if r["host_syncs"] is not None:
+            print(f"      host synchronisations in the steady steps: {r['host_syncs']} "
+                  f"{r['sync_examples']}")
+
+
+def bench_rows(args, peak: float) -> list[dict]:
+    """``trainer`` and ``fused``: a row per technique and N, each engine's figures."""
+    fused = args.trials if args.mode == "fused" else []
+    unfused = args.trials if args.unfused_trials is None else args.unfused_trials
+    start = "spawn" if args.mode == "trainer" else "forkserver"
+    out, failed = [], []
+    print(f"batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed steps, "
+          f"pad_lengths={args.pad_lengths}, compile={args.compile}"
+          f"{', ' + ' '.join(args.set) if args.set else ''}")
+    print(f"{'N':>3} {'engine':>8} {'step':>6} {'ex/s':>9} {'ms/step':>8} {'host ms':>8} "
+          f"{'GPU ms':>7} {'ops':>7} {'exec/real':>9} {'memory MB':>9} {'step MB':>7} "
+          f"{'GFLOP/s':>8} {'MFU':>6}")
+    for technique in args.technique:
+        defaults = {"schedule": "round_robin"} if args.mode == "fused" else {}
+        base = base_config(args, technique, **defaults)
+        for n in sorted(set(fused) | set(unfused)):
+            configs = [{**base, "seed": seed} for seed in range(n)]
+            runs = {"fused": [process(args, configs, args.threads, fused=True)]} if n in fused \
+                else {}
+            if n in unfused:
+                runs["unfused"] = [process(args, [c], max(1, args.threads // n)) for c in configs]
+            row = {"trials": n, "technique": technique}
+            for engine, settings in runs.items():
+                try:
+                    row[engine] = run_processes(settings, args.row_timeout, start)
+                except WorkerError as exc:
+                    row[engine] = {"error": str(exc)}
+                    failed.append(f"N={n} {technique} {engine}: {exc}")
+                    print(f"{n:>3} {engine:>8} error: {exc}", flush=True)
+                    continue
+                print_row(n, engine, row[engine], peak)
+            if "ex_per_s" in row.get("fused", {}) and "ex_per_s" in row.get("unfused", {}):
+                row["fused_over_unfused"] = row["fused"]["ex_per_s"] / row["unfused"]["ex_per_s"]
+                print(f"{n:>3} fused / unfused ex/s: {row['fused_over_unfused']:.3f}", flush=True)
+            out.append(row)
+            args.save(out)
+    if failed:
+        raise SystemExit("error: " + "; ".join(failed))
+    return out
+
+
+def bench_techniques(args, peak: float) -> list[dict]:
+    """Each technique alone in a process (memory, ops), then all in one, in turn; with
+    ``--precision``, each technique in each precision (``plain@bf16``), and the speed-up of
+    each over its first precision's."""
+    names, configs = [], []
+    for technique in args.technique:
+        for precision in args.precision or [None]:
+            names.append(f"{technique}@{precision}" if precision else technique)
+            configs.append(base_config(args, technique, update="summed",
+                                       schedule="round_robin",
+                                       **({"precision": precision} if precision else {})))
+    alone = {name: run_processes([process(args, [c], args.threads, steps=1, warmup=0)],
+                                 args.row_timeout) for name, c in zip(names, configs)}
+    together = run_processes([process(args, configs, args.threads, rotate=True, names=names)],
+                             args.row_timeout)["processes"][0]
+    times = {name: np.asarray(together["times"][name]) for name in names}
+    first = "plain" if "plain" in names else names[0]
+    tokens = together["executed_tokens"] / args.steps
+    print(f"batch {args.batch_size} a task, ~{tokens:.0f} tokens a step, {args.threads} "
+          f"threads; {args.steps} rounds, each technique in turn on the round's batches")
+    header = (f"{'technique':<14} {'mean s/step':>11} {'x ' + first:>13} {'median round x':>15} "
+              f"{'memory MB':>10} {'x':>6} {'step MB':>8} {'x':>6} {'ops':>7}"
+              + (f" {'speed-up over ' + args.precision[0]:>22}" if args.precision else ""))
+    print(header + "\n" + "-" * len(header))
+    rows = []
+    for name in names:
+        a, b = alone[name], alone[first]
+        ratio = lambda key: a[key] / b[key] if a[key] and b[key] else float("nan")  # noqa: E731
+        rows.append({"technique": name, "mean_s": float(times[name].mean()),
+                     "x_first": float(times[name].sum() / times[first].sum()),
+                     "median_round_x": float(np.median(times[name] / times[first])),
+                     "times": times[name].tolist(), "alone": a})
+        r = rows[-1]
+        speedup = ""
+        if args.precision:  # the same technique in the first precision, over this one
+            base = f"{name.split('@')[0]}@{args.precision[0]}"
+            r["speedup"] = float(times[base].sum() / times[name].sum())
+            speedup = f" {r['speedup']:>22.2f}"
+        print(f"{name:<14} {r['mean_s']:>11.2f} {r['x_first']:>13.2f} "
+              f"{r['median_round_x']:>15.2f} {a['memory_mb']:>10.0f} {ratio('memory_mb'):>6.2f} "
+              f"{a['step_mb'] or float('nan'):>8.0f} {ratio('step_mb'):>6.2f} "
+              f"{a['ops_per_step']:>7d}{speedup}", flush=True)
+    args.save(rows)
     return rows
 
 
+def bench_layer(args, peak: float) -> list[dict]:
+    """One encoder layer, fused over N against N layers one after another (module doc)."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    from mtbert.core.devices import prefer_stable_attention_kernels
+    from mtbert.core.pretrained import load_encoder
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        prefer_stable_attention_kernels()  # SDPA's kernels as training has them
+    encoder = load_encoder(args.model)
+    layer = encoder.encoder.layer[0].to(device).train()
+    hidden, batch, length = encoder.config.hidden_size, args.batch_size, args.length
+    dense = sum(p.numel() for p in layer.parameters() if p.ndim == 2)
+    work = 6 * dense * batch * length + 12 * hidden * batch * length ** 2
+    autocast = device.type == "cuda"
+    out = []
+    print(f"one {encoder.config.model_type} layer (hidden {hidden}), batch {batch} x length "
+          f"{length}, forward + backward; {'bf16 autocast' if autocast else 'fp32'}")
+    print(f"{'N':>3} {'fused ms':>9} {'N layers ms':>11} {'speed-up':>8} {'fused TFLOP/s':>13}"
+          f"{' MFU':>7}")
+    for n in args.trials:
+        layers = [copy.deepcopy(layer) for _ in range(n)]
+        params, buffers = stack_module_state(layers)
+        skeleton = copy.deepcopy(layer).to("meta")
+        x = torch.randn(n, batch, length, hidden, device=device, requires_grad=True)
+        mask = torch.ones(n, batch, 1, 1, length, dtype=torch.bool, device=device)
+
+        def one(p, b, h, m):
+            result = functional_call(skeleton, (p, b), (h, m))
+            return result[0] if isinstance(result, tuple) else result
+
+        fused = vmap(one, randomness="different")
+
+        def fused_step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                y = fused(params, buffers, x, mask)
+            y.float().sum().backward()
+
+        def unfused_step():
+            for i, module in enumerate(layers):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    result = module(x[i].detach(), mask[i])
+                    y = result[0] if isinstance(result, tuple) else result
+                y.float().sum().backward()
+
+        timings = {}
+        for name, fn in (("fused", fused_step), ("unfused", unfused_step)):
+            for _ in range(args.warmup + 1):
+                fn()
+            timings[name] = seconds(device, lambda: [fn() for _ in range(args.steps)]) / args.steps
+        tflops = n * work / timings["fused"] / 1e12
+        print(f"{n:>3} {timings['fused'] * 1e3:9.2f} {timings['unfused'] * 1e3:11.2f} "
+              f"{timings['unfused'] / timings['fused']:8.2f} {tflops:13.3f}"
+              f"{tflops * 1e3 / peak:7.1%}", flush=True)
+        out.append({"trials": n, "fused_ms": timings["fused"] * 1e3,
+                    "unfused_ms": timings["unfused"] * 1e3, "fused_tflops": tflops,
+                    "memory_mb": peak_memory_mb(device)})
+        args.save(out)
+    return out
+
+
 # ------------------------------------------------------------------ mode: tasks
-def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmup: int = 2):
-    split = trainer.train_splits[task]
-    enc = trainer.encodings[task]
+def bench_mtbert(trainer, task: str, bucketing: bool, steps: int, warmup: int):
+    split, enc = trainer.train_splits[task], trainer.encodings[task]
     batcher = TaskBatcher(split, trainer.cfg.batch_size, enc, seed=0, bucketing=bucketing,
                           bucket_batches=trainer.cfg.bucket_batches)
     rows = trainer.cfg.batch_size if trainer.static_max_length else 0
@@ -214,62 +499,50 @@ def bench_mtbert(trainer: Trainer, task: str, bucketing: bool, steps: int, warmu
                        trainer.static_max_length, rows) for _ in range(warmup + steps)]
     for b in batches[:warmup]:
         trainer.train_batches({task: b})
-    synchronize(trainer.device)
-    t = time.perf_counter()
-    for b in batches[warmup:]:
-        trainer.train_batches({task: b})
-    synchronize(trainer.device)
-    seconds = time.perf_counter() - t
+    timed = batches[warmup:]
+    took = seconds(trainer.device, lambda: [trainer.train_batches({task: b}) for b in timed])
     trainer.check_losses()
-    examples = sum(real_rows(b) for b in batches[warmup:])
-    flops = sum(useful_flops(trainer.model.encoder, batch_lengths(b)) for b in batches[warmup:])
-    return examples / seconds, flops / seconds
-
-
-class _TaskModule(torch.nn.Module):
-    """One task of the multitask model behind the (kwargs -> {'loss'}) interface Trainer wants."""
-
-    def __init__(self, model, task: str, cfg: TrainConfig):
-        super().__init__()
-        self.model, self.task, self.cfg = model, task, cfg
-
-    def forward(self, labels=None, **batch):
-        out = self.model(self.task, batch)
-        return {"loss": task_loss(self.task, out, labels, self.cfg)}
+    return [real_lengths(b) for b in timed], sum(real_rows(b) for b in timed), took
 
 
 def bench_hf_trainer(model, cfg: TrainConfig, data, task: str, group_by_length: bool,
-                     steps: int, threads: int, warmup: int = 2):
+                     steps: int, warmup: int):
+    """transformers' Trainer on the same model, data and loss; the lengths of the batches
+    its own sampler drew after ``warmup`` steps, and their seconds."""
     from transformers import Trainer as HFTrainer, TrainerCallback, TrainingArguments
 
-    split = data.split(task, "train")
-    enc = encoding_for(task, cfg.pair_encoding)
-    rows = []
-    for i in range(len(split)):
-        ids = split.tokens.pair[i] if enc == "cross" else split.tokens.a[i]
-        row = {"input_ids": ids.tolist(), "labels": split.labels[i].item()}
-        if enc == "cross":
-            row["token_type_ids"] = split.tokens.pair_types[i].tolist()
-        rows.append(row)
+    from mtbert.techniques.losses import task_loss
+
+    class TaskModule(torch.nn.Module):  # one task behind the (kwargs -> {'loss'}) interface
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, labels=None, **batch):
+            return {"loss": task_loss(task, self.model(task, batch), labels, cfg)}
+
+    split, enc = data.split(task, "train"), encoding_for(task, cfg.pair_encoding)
+    rows = [{"input_ids": (split.tokens.pair[i] if enc == "cross" else split.tokens.a[i]
+                           ).tolist(), "labels": split.labels[i].item()} for i in range(len(split))]
+    for i, row in enumerate(rows if enc == "cross" else ()):
+        row["token_type_ids"] = split.tokens.pair_types[i].tolist()
+    timing = {"seconds": 0.0, "step": 0, "lengths": []}
 
     def collator(features):
         width = max(len(f["input_ids"]) for f in features)
         ids = torch.full((len(features), width), data.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        types = torch.zeros_like(ids)
+        mask, types = torch.zeros_like(ids), torch.zeros_like(ids)
         for i, f in enumerate(features):
             n = len(f["input_ids"])
-            ids[i, :n] = torch.tensor(f["input_ids"])
-            mask[i, :n] = 1
+            ids[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), 1
             if "token_type_ids" in f:
                 types[i, :n] = torch.tensor(f["token_type_ids"])
         batch = {"input_ids": ids, "attention_mask": mask,
                  "labels": torch.tensor([f["labels"] for f in features])}
         if enc == "cross":
             batch["token_type_ids"] = types
+        timing["lengths"].append(real_lengths(batch))  # the batches its own sampler drew
         return batch
-
-    timing = {"examples": 0, "flops": 0.0, "seconds": 0.0, "step": 0}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -280,93 +553,116 @@ def bench_hf_trainer(model, cfg: TrainConfig, data, task: str, group_by_length: 
             if timing["step"] > warmup:
                 timing["seconds"] += time.perf_counter() - timing["t"]
 
-    # count the examples/FLOPs of the batches the Trainer's own sampler produced
-    class CountingCollator:
-        def __call__(self, features):
-            batch = collator(features)
-            timing.setdefault("batches", []).append(batch_lengths(batch))
-            return batch
-
     # transformers 5 names the sampler choice train_sampling_strategy; 4.x had group_by_length
-    fields = TrainingArguments.__dataclass_fields__
     sampler = ({"train_sampling_strategy": "group_by_length" if group_by_length else "random"}
-               if "train_sampling_strategy" in fields else {"group_by_length": group_by_length})
+               if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__
+               else {"group_by_length": group_by_length})
     args = TrainingArguments(
-        output_dir=str(Path(os.environ.get("TMPDIR", "/tmp")) / "mtbert-hf-bench"),
-        per_device_train_batch_size=32, max_steps=warmup + steps, learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay, report_to=[], save_strategy="no", logging_strategy="no",
-        dataloader_num_workers=0, use_cpu=True, seed=0, disable_tqdm=True,
-        remove_unused_columns=False, **sampler)
-    dataset = _ListDataset(rows)
-    trainer = HFTrainer(model=_TaskModule(model, task, cfg), args=args, train_dataset=dataset,
-                        data_collator=CountingCollator(), callbacks=[StepTimer()])
-    torch.set_num_threads(threads)
-    trainer.train()
-    lengths = timing["batches"][warmup:warmup + steps]
-    examples = sum(len(x) for x in lengths)
-    flops = sum(useful_flops(model.encoder, x) for x in lengths)
-    return examples / timing["seconds"], flops / timing["seconds"]
-
-
-class _ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
+        output_dir=str(Path(tempfile.gettempdir()) / "mtbert-hf-bench"),
+        per_device_train_batch_size=cfg.batch_size, max_steps=warmup + steps,
+        learning_rate=cfg.lr, weight_decay=cfg.weight_decay, report_to=[], save_strategy="no",
+        logging_strategy="no", dataloader_num_workers=0, use_cpu=True, seed=0,
+        disable_tqdm=True, remove_unused_columns=False, **sampler)
+    torch.set_num_threads(cfg.threads)
+    HFTrainer(model=TaskModule(), args=args, train_dataset=rows, data_collator=collator,
+              callbacks=[StepTimer()]).train()
+    lengths = timing["lengths"][warmup:warmup + steps]
+    return lengths, sum(len(x) for x in lengths), timing["seconds"]
 
 
 def bench_tasks(args, peak: float) -> None:
-    device = torch.device(args.device)
+    from mtbert.step.trainer import Trainer
+
     cfg = TrainConfig(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
                       threads=args.threads, progress=False, eval_dev=False, dropout=0.1,
                       device=args.device, pad_lengths=args.pad_lengths, compile=args.compile)
     data = load_data(cfg)
+    skip_hf = args.skip_hf or args.device != "cpu"
     print(f"{'task':5} {'runner':28} {'ex/s':>7} {'GFLOP/s':>8} {'MFU':>6}")
-    results = {}
-    skip_hf = args.skip_hf or device.type != "cpu"
+    rates = {}
     for task in TASK_NAMES:
         torch.manual_seed(0)
-        trainer = Trainer(cfg, data, Path(tempfile.gettempdir()) / "mtbert-bench", checkpoints=False)
-        for bucketing in (True, False):
-            label = f"mtbert {'bucketed' if bucketing else 'unbucketed'}"
-            rate, flops = bench_mtbert(trainer, task, bucketing, args.steps)
-            results[(task, label)] = rate
-            print(f"{task:5} {label:28} {rate:7.1f} {flops / 1e9:8.1f} {flops / 1e9 / peak:6.1%}",
-                  flush=True)
-        if skip_hf:
-            continue
-        for group in (False, True):
-            label = f"HF Trainer {'group_by_length' if group else 'default'}"
-            rate, flops = bench_hf_trainer(trainer.model, cfg, data, task, group, args.steps,
-                                           args.threads)
-            results[(task, label)] = rate
-            print(f"{task:5} {label:28} {rate:7.1f} {flops / 1e9:8.1f} {flops / 1e9 / peak:6.1%}",
-                  flush=True)
+        trainer = Trainer(cfg, data, Path(tempfile.gettempdir()) / "mtbert-bench",
+                          checkpoints=False)
+        runs = [(f"mtbert {'bucketed' if b else 'unbucketed'}", bench_mtbert, b)
+                for b in (True, False)]
+        runs += [] if skip_hf else [(f"HF Trainer {'group_by_length' if g else 'default'}",
+                                     None, g) for g in (False, True)]
+        for label, fn, flag in runs:
+            lengths, examples, took = (
+                fn(trainer, task, flag, args.steps, args.warmup) if fn else
+                bench_hf_trainer(trainer.model, cfg, data, task, flag, args.steps, args.warmup))
+            flops = sum(useful_flops(trainer.model.encoder, x) for x in lengths) / took
+            rates[(task, label)] = examples / took
+            print(f"{task:5} {label:28} {rates[(task, label)]:7.1f} {flops / 1e9:8.1f} "
+                  f"{flops / 1e9 / peak:6.1%}", flush=True)
     if not skip_hf:
         print("\nspeed-up of mtbert bucketed over:")
         for task in TASK_NAMES:
-            ours = results[(task, "mtbert bucketed")]
-            print(f"  {task}: HF default {ours / results[(task, 'HF Trainer default')]:.2f}x, "
-                  f"HF group_by_length {ours / results[(task, 'HF Trainer group_by_length')]:.2f}x")
+            ours = rates[(task, "mtbert bucketed")]
+            print(f"  {task}: HF default {ours / rates[(task, 'HF Trainer default')]:.2f}x, "
+                  f"HF group_by_length {ours / rates[(task, 'HF Trainer group_by_length')]:.2f}x")
 
 
-def main() -> None:
+# ------------------------------------------------------------------ mode: tokens
+def batcher_at(commit: str) -> type:
+    """``TaskBatcher`` as mtbert/data/batching.py had it at ``commit``."""
+    from tools.module_paths import module_folders, rewriter
+
+    source = subprocess.run(["git", "show", f"{commit}:mtbert/data/batching.py"], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"batching_{commit}.py"
+    path.write_text(rewriter(module_folders())(source))  # its imports at today's paths
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TaskBatcher
+
+
+def bench_tokens(args, peak: float) -> list[dict]:
+    data = load_data(TrainConfig(model=args.model, data_dir=args.data_dir,
+                                 max_train_per_task=args.max_train_per_task))
+    batcher = batcher_at(args.batcher_from_commit) if args.batcher_from_commit else TaskBatcher
+    rows = []
+    print(f"{'trials':>6} {'task':>5} {'executed / real tokens':>24}")
+    for n in args.trials:
+        counts = {task: group_tokens(data.split(task, "train"), encoding_for(task, args.encoding),
+                                     n, args.batch_size, args.bucket_batches, args.steps,
+                                     args.own_buckets, args.offset, batcher)
+                  for task in TASK_NAMES}
+        counts["all"] = tuple(sum(c[i] for c in counts.values()) for i in (0, 1))
+        for task, (executed, real) in counts.items():
+            rows.append({"trials": n, "task": task, "executed_tokens": executed,
+                         "real_tokens": real, "executed_per_real": executed / real})
+            print(f"{n:>6} {task:>5} {executed / real:>24.3f}")
+    args.save(rows)
+    return rows
+
+
+# ------------------------------------------------------------------ command line
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_data_arguments(p)
-    p.add_argument("--mode", choices=("trainer", "tasks"), default="trainer")
+    p.add_argument("--mode", choices=list(DEFAULTS), default="trainer")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--concurrent", type=int, default=1, help="trainer processes on the device")
-    p.add_argument("--steps", type=int, default=12, help="timed (steady) steps")
-    p.add_argument("--warmup", type=int, default=4,
-                   help="trainer mode: warm-up schedule steps (with --compile: enough to meet "
-                        "every (task, padded length) shape, or steady steps compile too)")
+    p.add_argument("--trials", "--concurrent", help="comma-separated N (default: trainer 1; "
+                   "fused and layer 1,2,4,8,16,32; tokens 1,8,32)")
+    p.add_argument("--unfused-trials", help="fused mode: the N of the unfused rows "
+                   "(default: --trials; '' none)")
+    p.add_argument("--technique", default="plain", help=f"comma-separated, from "
+                   f"{', '.join(TECHNIQUES)} (techniques mode: default all)")
+    p.add_argument("--precision", default="", help="techniques mode: comma-separated "
+                   "precisions (fp32, bf16, auto), each technique once in each, in turn on "
+                   "the same batches (default: the config's)")
+    p.add_argument("--steps", type=int, help="timed steps (tokens: steps per task)")
+    p.add_argument("--warmup", type=int, help="trainer: warm-up steps; fused and techniques: "
+                   "passes over the timed steps after the one that draws them; layer, tasks: "
+                   "steps before the timing")
     p.add_argument("--threads", type=int, default=2,
-                   help="host CPU threads, split among the --concurrent processes")
+                   help="host CPU threads: a fused process's, split among unfused ones")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--row-timeout", type=float, default=600.0,
+                   help="seconds a row's processes may take before they are ended")
     p.add_argument("--eval-batch-size", type=int, default=0,
                    help="validation rows per batch (0 = auto: 128 on a CPU, 1,024 on a GPU)")
     p.add_argument("--eval-rows", type=int, default=0,
@@ -374,41 +670,82 @@ def main() -> None:
     p.add_argument("--pad-lengths", choices=("auto", "batch", "buckets"), default="auto")
     p.add_argument("--compile", choices=("none", "default", "reduce-overhead"), default="none")
     p.add_argument("--step-mode", choices=("auto", "graphs", "eager"), default="auto",
-                   help="trainer mode: captured CUDA graphs of the step or eager steps (auto: "
-                        "graphs on CUDA)")
+                   help="captured CUDA graphs of the solo step or eager (auto: graphs on CUDA)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer mode: another TrainConfig field, e.g. smart_lambda_sst=1 "
-                        "(repeatable)")
-    p.add_argument("--skip-hf", action="store_true", help="skip the transformers Trainer reference")
-    p.add_argument("--json", help="also write the trainer-mode rows to this file")
-    args = p.parse_args()
-    if not Path(args.data_dir, "ids-sst-train.csv").is_file():
-        print(f"error: data not found in {args.data_dir} (expected ../shared/data)", file=sys.stderr)
-        sys.exit(2)
+                   help="another TrainConfig field, e.g. smart_lambda_sst=1 (repeatable)")
+    p.add_argument("--skip-hf", action="store_true", help="tasks: no transformers Trainer")
+    p.add_argument("--length", type=int, default=64, help="layer: sequence length")
+    p.add_argument("--encoding", choices=("cross", "siamese"), default="cross",
+                   help="tokens: the pair tasks' encoding")
+    p.add_argument("--bucket-batches", type=int,
+                   default=TrainConfig.__dataclass_fields__["bucket_batches"].default)
+    p.add_argument("--offset", type=int, default=0, help="tokens: trial i draws i x K first")
+    p.add_argument("--own-buckets", action="store_true")
+    p.add_argument("--max-train-per-task", type=int, default=0,
+                   help="tokens: training rows per task, as a budget caps them (0 = all)")
+    p.add_argument("--batcher-from-commit", metavar="REV")
+    p.add_argument("--json", help="also write the figures to this file (after every row)")
+    args = p.parse_args(argv)
+    trials, args.steps, args.warmup = [x if y is None else y for x, y in zip(
+        DEFAULTS[args.mode], (args.trials, args.steps, args.warmup))]
+    if args.mode == "techniques" and args.technique == "plain":
+        args.technique = ",".join(TECHNIQUES)
+    try:
+        args.trials = [int(n) for n in trials.split(",")]
+        if args.unfused_trials is not None:
+            args.unfused_trials = [int(n) for n in args.unfused_trials.split(",") if n.strip()]
+    except ValueError:
+        p.error(f"--trials {trials!r} / --unfused-trials {args.unfused_trials!r}: expected "
+                "integers separated by commas")
+    args.technique = args.technique.split(",")
+    args.precision = [x for x in args.precision.split(",") if x]
+    for flag, given, known in (("--precision", args.precision, {"fp32", "bf16", "auto"}),
+                               ("--technique", args.technique, set(TECHNIQUES))):
+        if set(given) - known:
+            p.error(f"{flag}: unknown {sorted(set(given) - known)}")
+    if min(args.trials + (args.unfused_trials or [])) < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--trials and --steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.mode != "layer" and not Path(args.data_dir, "ids-sst-train.csv").is_file():
+        print(f"error: data not found in {args.data_dir} (expected ../shared/data)",
+              file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA GPU is available", file=sys.stderr)
-        sys.exit(2)
-    if args.concurrent < 1 or args.steps < 1 or args.warmup < 0:
-        print("error: --concurrent and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    mp.set_forkserver_preload(PRELOAD)
     device = torch.device(args.device)
-    peak = matmul_peak(device, args.threads)
-    precision = "bf16" if device.type == "cuda" else "fp32"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
-    print(f"torch {torch.__version__}, {name}, {precision} matmul peak {peak:.1f} GFLOP/s")
+    peak = matmul_peak(device, args.threads) if args.mode != "tokens" else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU, {args.threads} threads"
+    if peak is not None:
+        print(f"torch {torch.__version__}, {name}, matmul peak {peak:.1f} GFLOP/s "
+              f"({'bf16' if device.type == 'cuda' else 'fp32'})")
+
+    def save(rows: list[dict]) -> None:
+        """The figures so far to ``--json`` (a run cut short keeps its rows)."""
+        if args.json:
+            settings = {k: v for k, v in vars(args).items() if k != "save"}
+            settings["data_dir"] = os.path.relpath(args.data_dir, REPO)
+            Path(args.json).write_text(json.dumps(
+                {"peak_gflops": peak, "device": name, "torch": torch.__version__,
+                 "args": settings, "rows": rows}, indent=1))
+
+    args.save = save
     from mtbert.core.errors import MtbertError
+    modes = {"trainer": bench_rows, "fused": bench_rows, "techniques": bench_techniques,
+             "layer": bench_layer, "tasks": bench_tasks, "tokens": bench_tokens}
     try:
-        if args.mode == "tasks":
-            bench_tasks(args, peak)
-            return
-        rows = bench_trainer(args, peak)
+        modes[args.mode](args, peak)
     except MtbertError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"peak_gflops": peak, "args": vars(args),
-                                               "processes": rows}, indent=1))
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

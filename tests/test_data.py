@@ -343,8 +343,8 @@ def test_fused_trials_pad_to_one_bucket_on_the_real_data(shared_data_dir, tmp_pa
     the real training files (batch 32), trials that joined at different times included
     (trial i 7 x i batches ahead); each following its own bucket order instead would not
     hold it (measured 2.4-3.3 cross-encoded)."""
-    from bench.padding import group_tokens
     from mtbert.data import encoding_for
+    from mtbert.step.step_counts import group_tokens
 
     data = load_data(TrainConfig(data_dir=shared_data_dir, cache_dir=str(tmp_path)))
     for trials in (8, 32):

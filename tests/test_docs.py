@@ -6,7 +6,9 @@ A flag belongs to the command named before it in the same code span or block lin
 (``python tune_driver.py --space smart``); a span that starts with a flag (```--budget
 small```, or a ``... --concurrent 8`` continuation) belongs to the command the page
 named last.  Commands of other tools (``mlflow ui``, ``pip``, ``ray``, ``nvidia-smi``)
-are not checked.  Each ``--help`` runs once per session, all of them at once.
+are not checked.  Every bench command a page gives anywhere, prose too (``python -m
+bench.NAME``, ``python bench/NAME.py``, ``bash bench/NAME.sh``), names a script that exists
+and answers ``--help``.  Each ``--help`` runs once per session, all of them at once.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ LINK_PAGES = PAGES + [REPO / "CHANGELOG.md"]
 #: the project's commands: how the docs name them -> the argv that prints its help
 COMMAND = re.compile(r"python3?\s+(?:-m\s+(mtbert\.train|bench\.[a-z_]+)\b|(tune_driver\.py)\b|"
                      r"(bench/[a-z_]+\.py)\b)|bash\s+(bench/[a-z_]+\.sh)\b")
+#: a bench command anywhere on a page (a line break may fall inside it)
+BENCH_COMMAND = re.compile(r"python3?\s+(?:-m\s+(bench\.[a-z_]+)\b|(bench/[a-z_]+\.py)\b)|"
+                           r"bash\s+(bench/[a-z_]+\.sh)\b")
 FLAG = re.compile(r"(?<![\w/.-])--[a-z][a-z0-9-]*")
 OTHER_TOOL = re.compile(r"(?:^|[\s(\[])(?:[A-Z_]+=\S+\s+)*(?:mlflow|pip|ray|nvidia-smi|docker|"
                         r"kubectl|helm|git|bash|pytest|python3?\s+-m\s+(?:pytest|pip|venv))\s")
@@ -148,12 +153,23 @@ def broken_links(page: Path) -> list[str]:
     return problems
 
 
+def bench_commands(pages: list[Path] = PAGES, root: Path = REPO) -> dict[str, list[str]]:
+    """Each bench command the pages give, code or prose -> the pages that give it."""
+    found: dict[str, list[str]] = {}
+    for page in pages:
+        for m in BENCH_COMMAND.finditer(page.read_text(encoding="utf-8")):
+            pages_of = found.setdefault(next(g for g in m.groups() if g), [])
+            if str(page.relative_to(root)) not in pages_of:
+                pages_of.append(str(page.relative_to(root)))
+    return found
+
+
 def _all_commands() -> frozenset[str]:
     """The project commands the pages name (tune_driver.py and mtbert.train always, the
-    commands a flag of ANY is looked up in)."""
+    commands a flag of ANY is looked up in, every bench command of a page)."""
     return frozenset({"tune_driver.py", "mtbert.train"} |
                      {c for p in PAGES for c, _ in flags_by_command(p.read_text(encoding="utf-8"))
-                      if c != ANY})
+                      if c != ANY} | set(bench_commands()))
 
 
 def test_every_flag_the_docs_name_exists():
@@ -168,6 +184,27 @@ def test_every_flag_the_docs_name_exists():
 def test_every_command_the_docs_show_exists():
     missing = [c for c in _all_commands() if not _command_file(c).exists()]
     assert not missing, f"the docs show commands that do not exist: {missing}"
+
+
+def test_every_bench_command_the_docs_give_runs():
+    """A page that names a bench script that is gone fails here, page by page; the others
+    answer ``--help`` (one process each, shared with the flags' check)."""
+    commands = bench_commands()
+    gone = sorted({f"{page}: {c} (no such script)" for c, pages in commands.items()
+                   if not _command_file(c).exists() for page in pages})
+    assert not gone, "\n".join(gone)
+    assert set(commands) <= set(_helps(_all_commands()))  # each exited 0 on --help
+
+
+def test_a_gone_bench_script_is_reported(tmp_path):
+    (tmp_path / "page.md").write_text(
+        "Run `python -m bench.throughput --steps 3`, then python -m\nbench.gone_study and "
+        "`bash bench/gpu_evidence.sh`; python3 bench/old.py once.\n")
+    commands = bench_commands([tmp_path / "page.md"], tmp_path)
+    assert commands == dict.fromkeys(["bench.throughput", "bench.gone_study",
+                                      "bench/gpu_evidence.sh", "bench/old.py"], ["page.md"])
+    assert [c for c in commands if not _command_file(c).exists()] == ["bench.gone_study",
+                                                                      "bench/old.py"]
 
 
 def test_every_relative_link_points_to_a_file():

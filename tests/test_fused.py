@@ -263,6 +263,20 @@ def test_fused_pcgrad_with_siamese_pairs_and_l1_trains_as_its_solo_runs_in_float
     assert losses <= 1e-8 and metrics <= 1e-8
 
 
+def test_smart_trials_of_other_settings_and_pcgrad_orders_train_as_their_solo_runs_in_float64(
+        quiet_config, tmp_path):
+    """One group, three trials of other SMART settings (λ_t, ε, μ, β, noise, step size) and
+    seeds, so other PCGrad task orders too (each drawn from its own stream), summed steps:
+    every step's loss and the final val metrics are the solo runs' (float64, within 1e-8)."""
+    common = dict(epochs=1, schedule="round_robin", update="summed", pcgrad=True,
+                  eval_every=10**6, eval_at_start=False, pair_encoding="siamese")
+    cfgs = [quiet_config(**trial, **common) for trial in SMART_TRIALS]
+    solo, fused = _solo_and_fused(cfgs, tmp_path, torch.float64)
+    losses, metrics = _largest_differences(solo, fused)
+    print(f"\n[equivalence] smart + pcgrad: {losses:.2g} {metrics:.2g}")
+    assert losses <= 1e-8 and metrics <= 1e-8
+
+
 def test_smart_pcgrad_and_uncertainty_fused_in_float32_drift_within_1e_4(quiet_config,
                                                                          tmp_path):
     """All three together in float32, each trial its own SMART values, uncertainty weights

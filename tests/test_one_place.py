@@ -66,7 +66,7 @@ def test_the_fields_pbt_perturbs_in_their_order():
 def test_the_fields_a_resume_may_change():
     assert config.RESUME_MAY_CHANGE == frozenset({
         "data_dir", "cache_dir", "epochs", "max_examples", "eval_every", "eval_growth",
-        "eval_dev", "device", "threads", "progress"})
+        "eval_dev", "device", "precision", "threads", "progress"})
 
 
 def field_name_lists(path: Path, root: Path = PACKAGE.parent) -> list[str]:

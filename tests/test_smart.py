@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from mtbert.data import collate, encoding_for, load_data
+from mtbert.model.dropout_rate import hold_dropout_in_tensor
+from mtbert.model.fused_attention import draw_attention_from
 from mtbert.model.model import MultitaskModel
 from mtbert.techniques.smart import (SmartRegulariser, build_regulariser, divergence, smart_output,
                           symmetric_kl_bernoulli, symmetric_kl_logits)
@@ -114,6 +116,12 @@ def test_regulariser_nonnegative_and_zero_for_zero_perturbation(setup, pair_enco
                smart_step_size=1e-2, smart_noise=1e-6)
     model = model_for(cfg, double=True).train()
     reg = SmartRegulariser(cfg, model)
+    # the masks and ν from a trial's stream, as a TrialRun gives its model and regulariser
+    stream = torch.Generator().manual_seed(0)
+    streams = hold_dropout_in_tensor(model, 0.3, torch.device("cpu"), number=True).generators
+    draw_attention_from(model, streams, torch.device("cpu"))
+    streams[:] = [stream]
+    reg.draw_from(stream)
     for task in ("sst", "qqp", "sts"):
         batch = batch_for(data, task, pair_encoding)
         clean = model(task, batch)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fused import OpCounter
 from mtbert.data import load_data
 from mtbert.step.fused_training import FusedGroup
 from mtbert.step.stacked_trials import StackedTrials
+from mtbert.step.step_counts import OpCounter
 from mtbert.step.step_engine import EagerStep, OneTrial
 from mtbert.step.trainer import Trainer
 from mtbert.run.trial_run import TrialRun

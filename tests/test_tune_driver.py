@@ -157,11 +157,13 @@ def test_driver_prints_mlflow_links_to_the_runs_view(search, mlflow_runs):
 def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(search,
                                                                            tiny_data_dir):
     """--keep-checkpoints best (default): the best trial's and the ensemble members'
-    weights in models/, loadable, predicting dev exactly as the search reported; no
-    training state left anywhere in the experiment."""
+    weights in models/, loadable, predicting dev exactly as the search reported (in the
+    precision its config gives on this device, as the search predicted); no training
+    state left anywhere in the experiment."""
     import pyarrow.parquet as pq
 
     from mtbert.core.config import TrainConfig
+    from mtbert.core.devices import uses_bf16
     from mtbert.data import encoding_for, load_data
     from mtbert.run.model_files import load_model
     from mtbert.run.inference import predict_split
@@ -184,23 +186,29 @@ def test_keep_checkpoints_best_keeps_loadable_weights_and_no_training_state(sear
     reported = Path(best["predictions"])
     for task in ("sst", "qqp", "sts"):
         split = data.split(task, "dev")
+        device = model.encoder.device  # in the precision the search predicted in
         pred = predict_split(model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
-                             cfg.eval_batch_size, model.encoder.device)
+                             cfg.eval_batch_size, device,
+                             autocast=uses_bf16(cfg.precision, device))
         table = pq.read_table(reported / f"dev-{task}.parquet").to_pydict()
         column = "probability" if task == "qqp" else "prediction"
         np.testing.assert_allclose(pred, table[column], rtol=0, atol=1e-6, err_msg=task)
 
 
 def test_quality_bench_rescores_a_pruned_search(search):
-    """bench/quality.py re-scores a search finished with the default --keep-checkpoints
-    best (its trials' checkpoints gone, the kept models in models/ID): on the tiny data
-    the search already scored every dev row, so the figures must agree."""
-    from bench import quality
+    """``python -m bench.quality`` re-scores a search finished with the default
+    --keep-checkpoints best (its trials' checkpoints gone, the kept models in models/ID):
+    on the tiny data the search already scored every dev row, so the figures must agree."""
     s, exp_dir = search["summary"], search["exp_dir"]
     assert not list(exp_dir.rglob("state.pt"))
     best = s["best_trial"]
-    data = quality.load_full_data(best["config"], best["config"]["data_dir"])
-    result = quality.rescore_search(exp_dir, data)
+    out = exp_dir.parent / "quality"
+    done = subprocess.run([sys.executable, "-m", "bench.quality", "--experiment-dir",
+                           str(exp_dir), "--data-dir", best["config"]["data_dir"], "--threads",
+                           "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "quality.json").read_text())["search"]
     assert result["best_trial"] == best["trial_id"]
     assert result["candidates"][0] == best["trial_id"]
     for key in ("sst_acc", "qqp_acc", "sts_corr", "overall"):

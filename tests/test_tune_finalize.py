@@ -170,3 +170,26 @@ def test_plots_label_every_axis_and_keep_legends_off_the_curves():
     import matplotlib.pyplot as plt
     for fig in figures:
         plt.close(fig)
+
+
+def test_the_store_opened_while_ray_starts_is_the_one_the_tracker_uses(tmp_path):
+    """``open_store_early``: a new SQLite store's tables are made on a thread (as the
+    driver does while Ray starts); the tracker made after it gets MLflow's same store
+    object and writes to it; a server URI is left alone."""
+    import sqlite3
+
+    from mtbert.tune.infra.tracking import SearchTracker, open_store_early
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    thread = open_store_early(uri)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        tables = {name for (name,) in db.execute("select name from sqlite_master")}
+    assert {"experiments", "runs", "metrics", "alembic_version"} <= tables
+    tracker = SearchTracker(uri, "mtbert/test", tmp_path, fresh=True)
+    parent = tracker.start_parent("search", {"space": "x"}, {})
+    from mlflow import MlflowClient
+    store = MlflowClient(tracking_uri=uri)._tracking_client.store
+    assert tracker.client._tracking_client.store is store  # one store per URI, opened once
+    assert tracker.client.get_run(parent).data.params == {"space": "x"}
+    assert open_store_early("http://127.0.0.1:5000") is None

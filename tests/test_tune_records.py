@@ -45,7 +45,8 @@ def test_summarize_error_prefers_the_trial_failed_reason():
 
 
 def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
-    history = [{"examples_seen": 48, OBJECTIVE: 0.40, "val/sst_acc": 0.3, "note": "x"},
+    history = [{"examples_seen": 0, OBJECTIVE: 0.60},
+               {"examples_seen": 48, OBJECTIVE: 0.40, "val/sst_acc": 0.3, "note": "x"},
                {"examples_seen": 96, OBJECTIVE: 0.45},
                {"examples_seen": 96, OBJECTIVE: 0.47},       # replayed after a resume
                {"examples_seen": 144, OBJECTIVE: float("nan")}]
@@ -54,15 +55,39 @@ def test_trial_record_keeps_one_row_per_point_and_the_best_checkpoint():
                    ("ckpt_b", {OBJECTIVE: 0.47, "examples_seen": 96}),
                    ("ckpt_c", {OBJECTIVE: float("nan"), "examples_seen": 144})]
     r = trial_record("t1", "trial_t1", {"lr": 1e-4}, history, checkpoints, 120, None, MAX, RUNGS)
-    assert [h["examples_seen"] for h in r.history] == [48, 96, 144]
-    assert r.history[1][OBJECTIVE] == 0.47 and "note" not in r.history[0]
-    assert OBJECTIVE not in r.history[2]                 # NaN is not a score
+    assert [h["examples_seen"] for h in r.history] == [0, 48, 96, 144]
+    assert r.history[2][OBJECTIVE] == 0.47 and "note" not in r.history[1]
+    assert OBJECTIVE not in r.history[3]                 # NaN is not a score
+    assert r.rows_filled == [] and r.rows_missing == 0
     assert r.best_checkpoint == "ckpt_b" and r.best_score == 0.47
     assert r.examples_seen == 144                        # the log is ahead of Ray's last result
     assert r.status == TrialStatus.STOPPED_EARLY and r.rung_reached == 2
     failed = trial_record("t2", "trial_t2", {}, [], [], 10, "x\nTrialFailed: bad", MAX, RUNGS)
     assert failed.status == TrialStatus.ERROR and failed.error == "TrialFailed: bad"
     assert failed.best_checkpoint is None and failed.best_score == float("-inf")
+
+
+def test_trial_record_fills_rows_missing_from_rays_log_from_its_checkpoints():
+    """A trial whose Ray log lost its rows at 48 and 96 (results 2 and 3: a logger restored
+    an older storage copy when it resumed) has them back from its newest checkpoint's
+    history, in order; a lost result no checkpoint holds is counted."""
+    ray_rows = [{"examples_seen": 0, OBJECTIVE: 0.3, "training_iteration": 1},
+                {"examples_seen": 144, OBJECTIVE: 0.6, "training_iteration": 4},
+                {"examples_seen": 192, OBJECTIVE: 0.7, "training_iteration": 5}]
+    kept = [{"examples_seen": 0, OBJECTIVE: 0.3}, {"examples_seen": 48, OBJECTIVE: 0.4},
+            {"examples_seen": 96, OBJECTIVE: 0.5, "val/sst_acc": 0.25},
+            {"examples_seen": 144, OBJECTIVE: 0.6}]
+    checkpoints = [("c3", {"examples_seen": 144, OBJECTIVE: 0.6}),
+                   ("c4", {"examples_seen": 192, OBJECTIVE: 0.7})]
+    r = trial_record("t1", "trial_t1", {}, ray_rows, checkpoints, 192, None, MAX, RUNGS,
+                     kept_history=kept)
+    assert r.evaluated_at == [0, 48, 96, 144, 192]
+    assert r.history[2] == {"examples_seen": 96, OBJECTIVE: 0.5, "val/sst_acc": 0.25}
+    assert r.rows_filled == [48, 96] and r.rows_missing == 0
+    only_one = trial_record("t1", "trial_t1", {}, ray_rows, checkpoints, 192, None, MAX, RUNGS,
+                            kept_history=kept[:2])
+    assert only_one.evaluated_at == [0, 48, 144, 192]
+    assert only_one.rows_filled == [48] and only_one.rows_missing == 1
 
 
 def _ray_result(tmp_path: Path, tid: str, scores: list[float], error=None, config=None,

@@ -86,7 +86,8 @@ class TrainConfig:
         "draw each batch from one length bucket (less padding; fused trials share the bucket)",
         in_step_graphs=False))
     # 2: executed / real tokens 1.02-1.09 alone and 1.02-1.10 for 8 fused trials, 1,000 or
-    # all rows a task, batch 8-32; 4: up to 1.17 / 1.23 (docs/training.md, bench/padding.py)
+    # all rows a task, batch 8-32; 4: up to 1.17 / 1.23 (docs/training.md; python -m
+    # bench.throughput --mode tokens)
     bucket_batches: int = field(default=2, metadata=_meta(
         "batches of rows per length bucket when bucketing", low=1, in_step_graphs=False))
 
@@ -248,6 +249,12 @@ class TrainConfig:
         resume_may_change=True))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_meta(
         "auto = CUDA when present", run_per_search="--gpus-per-trial", resume_may_change=True))
+    precision: Literal["auto", "fp32", "bf16"] = field(default="auto", metadata=_meta(
+        "what training and prediction compute in: bf16 autocasts the model's matmuls to "
+        "bfloat16 (losses, SMART's divergences and noise and the optimizer stay float32); "
+        "auto = bf16 where the device computes it natively (a CUDA GPU with bf16, a CPU "
+        "with AVX-512 BF16 or AMX), else fp32; bf16 where it does not is an error",
+        resume_may_change=True))
     threads: int = field(default=0, metadata=_meta(
         "torch CPU threads (0 = torch default)", low=0, run_per_search="--cpus-per-trial",
         in_step_graphs=False, resume_may_change=True))

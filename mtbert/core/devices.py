@@ -1,5 +1,6 @@
-"""Where a run computes: the device a config names, the CUDA attention kernels it keeps
-to, ``torch.compile`` checked and applied, and host batches moved to the device."""
+"""Where a run computes: the device a config names, the precision it computes in there
+(:func:`uses_bf16`), the CUDA attention kernels it keeps to, ``torch.compile`` checked and
+applied, and host batches moved to the device."""
 
 from __future__ import annotations
 
@@ -18,6 +19,41 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         prefer_stable_attention_kernels()
     return device
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes bfloat16 natively, and what torch reports of it: a CUDA
+    GPU with bf16 (Ampere and later); a CPU whose ATen kernels run AVX-512 and that has
+    AVX-512 BF16 or AMX tiles (elsewhere bf16 matmuls are emulated, slower than float32)."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+        return ok, f"CUDA {'with' if ok else 'without'} native bf16"
+    capability = torch.backends.cpu.get_cpu_capability()
+    units = [name for name, has in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
+                                    ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    ok = capability.startswith("AVX512") and bool(units)
+    return ok, f"CPU kernels {capability}" + (f", {' and '.join(units)}" if units else
+                                               ", no AVX-512 BF16 or AMX")
+
+
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether a run of ``precision`` (auto | fp32 | bf16) autocasts to bfloat16 on
+    ``device``: auto where the device computes bf16 natively, fp32 never; bf16 asked where
+    it does not is a ConfigError (key ``precision``)."""
+    if precision == "fp32":
+        return False
+    native, what = native_bf16(device)
+    if precision == "bf16" and not native:
+        raise ConfigError(f"precision=bf16 but this device does not compute bfloat16 natively "
+                          f"({what}); use precision=auto or fp32", key="precision")
+    return native
+
+
+def precision_line(precision: str, device: torch.device) -> str:
+    """``precision auto: bf16 (CPU kernels AVX512, AVX-512 BF16 and AMX)``: what a run of
+    ``precision`` computes in on ``device``, and why."""
+    return (f"precision {precision}: {'bf16' if uses_bf16(precision, device) else 'fp32'} "
+            f"({native_bf16(device)[1]})")
 
 
 def prefer_stable_attention_kernels() -> None:

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from mtbert.model.model import BATCHED_ATTENTION  # the name it is registered under
+from mtbert.model.dropout_rate import DropoutRate, RateDropout
+from mtbert.model.model import BATCHED_ATTENTION, STREAM_ATTENTION  # registered names
 
 
 def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -38,12 +40,50 @@ def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask
-    probs = F.dropout(scores.softmax(-1), p=dropout, training=module.training)
+    probs = scores.softmax(-1)
+    if isinstance(module.dropout, RateDropout):  # from the trials' streams
+        probs = module.dropout(probs) if dropout > 0 else probs
+    else:
+        probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def stream_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+    """One trial's attention: SDPA, or where probabilities are dropped (training) the
+    batched math above, its dropout drawn from the trial's stream (SDPA takes no generator;
+    one CPU thread, MiniLM's shapes, forward and backward: 27.7 ms against SDPA's 30.6)."""
+    if module.training and kwargs.get("dropout", 0.0) > 0:
+        return batched_math_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(BATCHED_ATTENTION, batched_math_attention)
 AttentionMaskInterface.register(BATCHED_ATTENTION, sdpa_mask)
+AttentionInterface.register(STREAM_ATTENTION, stream_attention)
+AttentionMaskInterface.register(STREAM_ATTENTION, sdpa_mask)
+
+
+def attention_dropouts(model: nn.Module) -> list[nn.Module]:
+    """The attention modules whose own dropout (of the probabilities) is an ``nn.Dropout``
+    (a :class:`RateDropout` is one)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")
+            and isinstance(getattr(m, "dropout", None), nn.Dropout)]
+
+
+def draw_attention_from(model: nn.Module, generators: list, device: torch.device,
+                        trials: int | None = None) -> None:
+    """The attention-probability dropouts of ``model`` draw from ``generators`` (the same
+    list object: filled later is fine), at their rate; ``trials``: N stacked trials (the
+    fused skeleton's), each slice from its own.  A one-trial CPU model takes
+    :func:`stream_attention` (SDPA's dropout would draw from torch's global generator)."""
+    for module in attention_dropouts(model):
+        p = float(module.dropout.p)
+        rate = DropoutRate(p, device)  # one rate for every trial (the encoder's config)
+        rate.generators = generators
+        module.dropout = RateDropout(rate, number=p)
+    if trials is None and device.type == "cpu":
+        model.encoder.set_attn_implementation(STREAM_ATTENTION)
 
 
 def use_batched_attention(model: nn.Module, device: torch.device) -> None:

@@ -37,7 +37,10 @@ from mtbert.core.tasks import TASKS
 BATCHED_ATTENTION = "mtbert_batched_math"
 #: attention implementations handed the 4-D boolean mask as it is (the fused encoder's
 #: on the CPU takes SDPA's)
-FOUR_D_MASK = ("sdpa", BATCHED_ATTENTION)
+#: a trial's own attention: SDPA, or in training with dropout the batched math whose
+#: probability dropout draws from the trial's stream (:mod:`mtbert.model.fused_attention`)
+STREAM_ATTENTION = "mtbert_stream"
+FOUR_D_MASK = ("sdpa", BATCHED_ATTENTION, STREAM_ATTENTION)
 STS_BINS = 6  # rounded similarity scores 0, 1, ..., 5
 #: sts_cosine_map -> (s, t) of score = s·cos + t at the start
 COSINE_MAPS = {"affine": (5.0, 0.0), "scaled": (5.0, 0.0), "report002": (2.5, 2.5)}

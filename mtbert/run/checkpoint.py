@@ -27,6 +27,7 @@ import torch
 from mtbert.core.atomic import atomic_write_json
 from mtbert.core.config import TrainConfig
 from mtbert.core.errors import DataError, first_line
+from mtbert.core.trial_streams import trial_generator
 from mtbert.techniques.lr_schedules import take_configured_lrs
 from mtbert.run.training_state import (HEADS_FILE, STATE_EXPECTED, STATE_FILE, HostCopy,
                                    encoder_config_json, folder_bytes, read_training_state,
@@ -56,6 +57,8 @@ class TrainingParts:
     #: {task: int}}`` (zero at an evaluation; a run paused between evaluations goes on with
     #: them); restored in place
     running_losses: dict[str, dict] | None = None
+    #: the trial's random stream (:mod:`mtbert.core.trial_streams`); restored in place
+    generator: torch.Generator | None = None
 
     def state(self) -> dict[str, Any]:
         """Their states (the weights apart), as ``state.pt`` holds them."""
@@ -100,6 +103,8 @@ class CheckpointFolder:
             **parts.state(), "counters": dict(contents.counters),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            **({"trial_rng": parts.generator.get_state()} if parts.generator is not None
+               else {}),
         }})
         host_copy, encoder_config = self._host_copy, self._encoder_config
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +187,9 @@ def restore_checkpoint(checkpoint_dir: Path, parts: TrainingParts, cfg: TrainCon
         torch.set_rng_state(state["torch_rng"].cpu())
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+        if parts.generator is not None:  # (older checkpoints: the global state was it)
+            parts.generator.set_state(state["trial_rng"].cpu() if "trial_rng" in state
+                                      else trial_generator(parts.generator.device).get_state())
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise DataError(f"{state_file}: damaged training state ({first_line(exc)}); "
                         f"{STATE_EXPECTED}", path=str(state_file)) from None

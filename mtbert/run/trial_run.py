@@ -29,8 +29,8 @@ parameters at ``lr``. Each is split into weight-decay / no-decay groups.
 
 Exact resume: the data order is a pure function of (seed, task, batches drawn, epoch)
 (see ``TaskBatcher`` and ``Schedule.plan``), so a checkpoint holds only counters and the
-running train-loss sums, plus model/optimizer/LR-scheduler/regulariser state and torch's
-RNG state (dropout).
+running train-loss sums, plus model/optimizer/LR-scheduler/regulariser state and the
+trial's random stream (:attr:`TrialRun.generator`: dropout, SMART's noise, PCGrad's orders).
 
 No host synchronisation per step (on a GPU the CPU then queues step k+1 while the GPU
 runs step k): each step's task losses stay on the device; they are copied to the host,
@@ -56,8 +56,10 @@ from mtbert.core.config import TrainConfig
 from mtbert.model.cosine_init import fit_qqp_cosine
 from mtbert.data import (MultitaskData, SharedBuckets, TaskBatcher, collate, encoding_for,
                          eval_rows, eval_token_cap, real_rows)
-from mtbert.core.devices import check_compile_mode, compile_model, resolve_device, to_device
+from mtbert.core.devices import (check_compile_mode, compile_model, resolve_device, to_device,
+                                  uses_bf16)
 from mtbert.model.dropout_rate import hold_dropout_in_tensor
+from mtbert.model.fused_attention import draw_attention_from
 from mtbert.core.errors import ConfigError
 from mtbert.techniques.gradients import build_gradient_combiner
 from mtbert.run.evaluation import Scoring, append_history, progress_line, train_losses
@@ -69,6 +71,7 @@ from mtbert.techniques.pretrain import run_pretraining
 from mtbert.techniques.task_schedules import build_schedule, super_batches
 from mtbert.techniques.smart import build_regulariser
 from mtbert.core.tasks import TASK_NAMES
+from mtbert.core.trial_streams import trial_generator
 from mtbert.run.training_state import CheckpointWriter
 
 Batches = dict[str, dict[str, torch.Tensor]]  # {task: batch}: one optimizer step's
@@ -151,9 +154,15 @@ class TrialRun:
         self.total_steps, total_examples = self._count_optimizer_steps()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.total_steps,
                                                total_examples / self.total_steps)
-        self.autocast = self.device.type == "cuda"
+        self.autocast = uses_bf16(cfg.precision, self.device)  # bf16 autocast
         compile_model(self.model, cfg.compile)
         self._start_counters()
+        #: the trial's random stream (:mod:`mtbert.core.trial_streams`): every draw of its
+        #: steps; from the global generator's state now (a resume: the checkpoint's)
+        self.generator = trial_generator(self.device)
+        self.dropouts.generators[:] = [self.generator]
+        if self.regulariser is not None:
+            self.regulariser.draw_from(self.generator)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         # where this process's time goes (reported as time/*; not kept across a resume):
@@ -175,11 +184,16 @@ class TrialRun:
             kept.model.load_state_dict(fresh.state_dict())
             kept.dropout_rate.fill(self.cfg.dropout)
             self.model, self.dropout_rate = kept.model, kept.dropout_rate
+            self.dropouts = self.dropout_rate
             return
         self.model = fresh.to(self.device)
         if graphs or self.device.type == "cuda":
             self.dropout_rate = hold_dropout_in_tensor(self.model, self.cfg.dropout,
                                                        self.device)
+        #: the dropouts the ``dropout`` setting governs (drawing from the trial's stream)
+        self.dropouts = self.dropout_rate or hold_dropout_in_tensor(
+            self.model, self.cfg.dropout, self.device, number=True)
+        draw_attention_from(self.model, self.dropouts.generators, self.device)
 
     def _build_loss_parts(self, kept: graph_reuse.KeptStep | None, graphs: bool) -> None:
         """Loss weighting, gradient combiner and SMART regulariser; a kept step's weighting
@@ -321,7 +335,8 @@ class TrialRun:
         cfg = self.cfg
         self._start = time.perf_counter()
         self._examples_at_start = self.examples_seen
-        self.log(f"[mtbert] device={self.device} step={step_name or self.step_name()} "
+        self.log(f"[mtbert] device={self.device} bf16={self.autocast} "
+                 f"step={step_name or self.step_name()} "
                  f"schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
         if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
@@ -519,6 +534,7 @@ class TrialRun:
         metrics.update({
             "examples_seen": self.examples_seen, "epoch": self.epoch,
             "optimizer_steps": self.optimizer_steps,
+            "train/bf16": float(self.autocast),  # 1: bf16 autocast (precision), 0: float32
             "lr": self.lr_scheduler.get_last_lr()[0],
             "train_seconds": time.perf_counter() - self._start,
         })
@@ -567,7 +583,8 @@ class TrialRun:
     def _training_parts(self) -> TrainingParts:
         return TrainingParts(self.model, self.optimizer, self.lr_scheduler, self.loss_combiner,
                              self.regulariser, self.batchers,
-                             {"sums": self._loss_sums, "counts": self._loss_counts})
+                             {"sums": self._loss_sums, "counts": self._loss_counts},
+                             self.generator)
 
     def save_checkpoint(self) -> Path:
         """``out_dir/checkpoint`` of the run as it stands, written now (after the one being

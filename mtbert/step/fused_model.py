@@ -19,12 +19,17 @@ Per-trial values read as tensors with the trial axis: the dropout rate
 (:class:`~mtbert.model.dropout_rate.RateDropout` with ``[N]`` rate buffers, the module a solo
 run on CUDA drops with at its 0-d rate) here; the learning rates, weight decay, clipping
 and loss weights in :mod:`mtbert.step.fused_training`, :mod:`mtbert.step.fused_adamw` and
-:mod:`mtbert.techniques.losses`, SMART's in :class:`mtbert.techniques.smart.TrialAxisSmart` (which runs its
-forwards through :meth:`FusedModel.map`).
+:mod:`mtbert.techniques.losses`, SMART's in
+:meth:`mtbert.techniques.smart.SmartRegulariser.stacked` (which runs its forwards through
+:meth:`FusedModel.map`).
 
-Dropout masks: one draw over the stacked batch (``vmap(randomness="different")``: each
-trial's slice of the mask is drawn apart, from the process's one generator), so trials
-get different masks, and a trial's masks differ from the ones its solo run draws.  With
+Dropout masks: drawn from the streams given (:func:`mtbert.core.trial_streams.trial_draw`).
+The fused step gives the group's one stream (:func:`~mtbert.core.trial_streams.group_generator`):
+each mask is one draw over the stacked batch, so ops do not grow with N, and a trial's masks
+differ from its solo run's.  (Given each trial's generator instead, each slice is drawn as
+the trial alone draws it -- the same masks where its batch has the group's shape -- at one
+draw a trial and site: +20 ops a trial and step on the tiny BERT of
+``tests/test_step_ops.py``, 1.32x at N = 16 against N = 2, where 1.1x is asked.)  With
 dropout 0 nothing random is drawn into a trial's numbers and a fused trial trains as its
 solo run to rounding (``tests/test_fused.py``).
 
@@ -46,7 +51,7 @@ from torch.func import functional_call, vmap
 
 from mtbert.data import ROW_WEIGHTS
 from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
-from mtbert.model.fused_attention import use_batched_attention
+from mtbert.model.fused_attention import draw_attention_from, use_batched_attention
 from mtbert.techniques.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
@@ -88,16 +93,24 @@ class FusedModel:
     :meth:`bind` each trial model's parameters are views of their slices, so the trial's
     own evaluation, checkpoints and predictions read the fused weights as they train."""
 
-    def __init__(self, models: list[nn.Module], dropouts: list[float], built_rate: float):
+    def __init__(self, models: list[nn.Module], dropouts: list[float], built_rate: float,
+                 generators: list[torch.Generator] = ()):
         """``dropouts``: each trial's rate; ``built_rate``: the ``dropout`` the models were
-        built with (which finds the dropouts the setting governs)."""
+        built with (which finds the dropouts the setting governs); ``generators``: the
+        streams the masks are drawn from: one, the group's (each mask one draw for all the
+        trials), or each trial's (its slice drawn as alone; a draw a trial); none: torch's
+        global generator."""
         self.n = len(models)
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
         # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
         rates = DropoutRate([float(p) for p in dropouts], device)
-        shared = dropouts[0] if len(set(dropouts)) == 1 else None
+        rates.generators[:] = list(generators)
+        self.generators = rates.generators
+        if generators:  # each trial's attention-probability masks from its stream too
+            draw_attention_from(self.skeleton, rates.generators, device, trials=self.n)
+        shared = dropouts[0] if len(set(dropouts)) == 1 and not generators else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
             setattr(parent, name, RateDropout(rates, number=shared))
         rate_buffers = {f"{name}.{key}" if name else key: getattr(rates, attr)

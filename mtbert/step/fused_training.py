@@ -25,15 +25,14 @@ group re-forms at its next step: the trials still there are stacked anew.  The o
 train on as without the event: the trials share no weight, so a trial's slice of the step
 (its gradient, its clipping norm, its update) depends on its own weights and batches only
 -- a NaN stays in its slice -- and only the padding changes, which moves the sums by
-rounding at most (``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  A
-joining trial's construction re-seeds torch's generator (as a solo run's does; a resume
-sets it to the checkpoint's): with dropout on, the others' masks are drawn on from there.
-An error in the shared step itself ends the group.
+rounding at most (``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  An
+error in the shared step itself ends the group.
 
-Each trial has its own random stream (:class:`~mtbert.core.trial_streams.TrialStreams`,
-from right after its construction): its SMART noise and PCGrad task orders are drawn from
-it, as its solo run draws them from torch's, and its own bookkeeping (evaluations,
-checkpoints) runs on it.  Not fused yet: ``torch.compile`` and CUDA graphs of the stacked
+Each trial draws from its own random stream (``TrialRun.generator``,
+:mod:`mtbert.core.trial_streams`): its SMART noise and PCGrad task orders, as its solo run
+draws them (the stacked step's dropout masks are one draw from the group's stream); a
+joining trial's construction (which seeds torch's global generator) moves no other trial's
+stream.  Not fused yet: ``torch.compile`` and CUDA graphs of the stacked
 step (it is eager; on CUDA the trials train with ``step_mode=eager``), and encoders other
 than BERT's.
 """
@@ -56,7 +55,6 @@ from mtbert.step.step_engine import EagerStep, OneTrial
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.step.trainer import Trainer
 from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
-from mtbert.core.trial_streams import TrialStreams
 
 
 def fuse_key(cfg: TrainConfig) -> tuple:
@@ -107,18 +105,18 @@ def eager(cfg: TrainConfig) -> TrainConfig:
     return cfg if cfg.step_mode == "eager" else cfg.replace(step_mode="eager")
 
 
-def group_step(trials: list[TrialRun], streams: TrialStreams) -> EagerStep:
+def group_step(trials: list[TrialRun]) -> EagerStep:
     """The engine of a group's trials: the eager step (:mod:`mtbert.step.step_engine`) of
     their stack (:class:`~mtbert.step.stacked_trials.StackedTrials`) or, for a group of
-    one, of the trial alone on its own random stream (:class:`~mtbert.step.step_engine.OneTrial`:
+    one, of the trial alone (:class:`~mtbert.step.step_engine.OneTrial`:
     N = 1 skips the trial axis, as HFTA's B = 0 is the plain module; its tensors its own,
     copies of its slices of the stack it leaves, if any): then the same ops, draws and
     arithmetic as its solo run.  A trial that joins re-forms the group, and the next
     stack takes each trial's state in as it is."""
     if len(trials) == 1:
         own_tensors(trials[0])
-        return EagerStep(OneTrial(trials[0], streams))
-    return EagerStep(StackedTrials(trials, streams))
+        return EagerStep(OneTrial(trials[0]))
+    return EagerStep(StackedTrials(trials))
 
 
 def own_tensors(trial: TrialRun) -> None:
@@ -175,15 +173,13 @@ class FusedGroup:
         self.key: tuple | None = None
         self.engine: EagerStep | None = None        # None: (re-)formed at the next step
         self._started: set[Hashable] = set()
-        self.streams = TrialStreams()  # each trial's random stream
         for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
             self.add(TrialRun(eager(cfg), data, out, model=None if models is None
                               else models[i], **trial_options))
 
     def add(self, trial: TrialRun, trial_id: Hashable | None = None) -> Hashable:
         """``trial`` (fresh or resumed, built with ``step_mode`` eager) joins at the next
-        step; returns its id (default: the next integer).  Add it right after building it:
-        its random stream starts from torch's state then, as its solo run's does."""
+        step; returns its id (default: the next integer)."""
         key = fuse_key(trial.cfg)
         if self.key is not None and key != self.key:
             raise ValueError("a fused group's trials must share one structure (fuse_key)")
@@ -192,7 +188,6 @@ class FusedGroup:
             raise ValueError(f"trial id {trial_id!r} is taken in this group")
         self.key = key
         self.trials[trial_id] = trial
-        self.streams.add(trial, trial.device)
         self.joined.append(trial_id)
         self._reform()
         return trial_id
@@ -214,8 +209,7 @@ class FusedGroup:
             if trial_id in ended:
                 return ended[trial_id]
         try:
-            with self.streams.of(trial):
-                checkpoint = trial.save_checkpoint()
+            checkpoint = trial.save_checkpoint()
         except (Exception, SystemExit) as exc:
             return self._failed(trial_id, exc)
         return self._end(trial_id, TrialEnd("paused", checkpoint=checkpoint))
@@ -229,7 +223,6 @@ class FusedGroup:
         trial = self.trials.pop(trial_id)
         if end.reason != "finished":
             trial.close()
-        self.streams.drop(trial)
         own_tensors(trial)
         self._reform()
         self.ended[trial_id] = end
@@ -276,12 +269,11 @@ class FusedGroup:
         for trial_id in ids:
             trial = self.trials[trial_id]
             try:
-                with self.streams.of(trial):  # its own part on its own random stream
-                    if trial_id not in self._started:
-                        self._started.add(trial_id)
-                        trial.start(f"fused ({len(self.trials)} trials)")
-                    update = trial.next_update(buckets)
-                    metrics = trial.finish() if update is None else None
+                if trial_id not in self._started:
+                    self._started.add(trial_id)
+                    trial.start(f"fused ({len(self.trials)} trials)")
+                update = trial.next_update(buckets)
+                metrics = trial.finish() if update is None else None
                 if update is None:
                     ended[trial_id] = self._end(trial_id, TrialEnd("finished", metrics=metrics))
                 else:
@@ -291,13 +283,12 @@ class FusedGroup:
         if not batches:
             return ended
         if self.engine is None:
-            self.engine = group_step(list(self.trials.values()), self.streams)
+            self.engine = group_step(list(self.trials.values()))
         losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
         for trial_id in batches:
             trial = self.trials[trial_id]
             try:
-                with self.streams.of(trial):
-                    trial.stepped(losses[trial])
+                trial.stepped(losses[trial])
             except (Exception, SystemExit) as exc:
                 ended[trial_id] = self._failed(trial_id, exc)
         return ended

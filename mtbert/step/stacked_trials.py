@@ -8,31 +8,32 @@ model's parameters become views of its slice) and trained by one per-trial AdamW
 holds as views too, so that each trial's evaluation, checkpoint and predictions read the
 stacked state.  Per-trial values are ``[N]`` (or ``[G, N]``) device tensors: learning rate,
 weight decay, clipping norm, the loss weights (:func:`mtbert.techniques.losses.stack_combiners`),
-dropout, SMART's values (:class:`mtbert.techniques.smart.TrialAxisSmart`).  Trials whose
+dropout, SMART's values (:meth:`mtbert.techniques.smart.SmartRegulariser.stacked`).  Trials whose
 schedules differ may train different tasks in the same step: every task in the union runs;
 a trial without that task gets filler rows, its loss is multiplied by 0 and its update
 masked out where its own tasks did not reach.  Each trial's random draws (SMART's noise,
-PCGrad's task orders) come from its own stream (:class:`~mtbert.core.trial_streams.TrialStreams`).
+PCGrad's task orders) come from its own generator (``TrialRun.generator``,
+:mod:`mtbert.core.trial_streams`); the dropout masks, one draw over the stacked batch, from
+the group's (:mod:`mtbert.step.fused_model`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
 from mtbert.core.devices import to_device
 from mtbert.core.tasks import TASK_NAMES
+from mtbert.core.trial_streams import group_generator
 from mtbert.step.fused_adamw import STATE_KEYS, TrialAdamW
 from mtbert.step.fused_model import FusedModel, stack_batches
 from mtbert.step.step_graphs import reached_parameters
 from mtbert.techniques.gradients import random_orders, trial_orders
 from mtbert.techniques.losses import stack_combiners, weight_penalty
-from mtbert.techniques.smart import TrialAxisSmart
+from mtbert.techniques.smart import SmartRegulariser
 
 if TYPE_CHECKING:
-    from mtbert.core.trial_streams import TrialStreams
     from mtbert.run.trial_run import Batches, TrialRun
 
 #: the prefix of a loss combiner's parameters among the stacked trials' trained tensors
@@ -48,9 +49,9 @@ def combiner_parameters(combiner: torch.nn.Module) -> dict[str, torch.nn.Paramet
 class StackedTrials:
     """N trials' parts of the eager step, on their stacked weights (see the module doc).
     Built from the trials' state as it is (fresh, resumed, or views of an earlier stack's,
-    which this one copies); ``streams``: the trials' random streams."""
+    which this one copies)."""
 
-    def __init__(self, trials: list[TrialRun], streams: TrialStreams):
+    def __init__(self, trials: list[TrialRun]):
         self.trials = list(trials)
         self.slot = {trial: n for n, trial in enumerate(self.trials)}
         first = self.trials[0]
@@ -59,12 +60,14 @@ class StackedTrials:
         self.autocast = first.autocast
         self.grad_combiner = first.grad_combiner  # one structure: one kind for all
         models = [t.model for t in self.trials]
-        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout)
+        self.generators = [t.generator for t in self.trials]  # by slot
+        # the dropout masks: one draw for all the trials, from the group's stream
+        self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout,
+                                [group_generator(self.generators)])
         self.fused.bind(models)
-        self.smart = (TrialAxisSmart(self.fused, [t.regulariser for t in self.trials],
-                                     streams, self.trials, self.cfg)
+        self.smart = (SmartRegulariser.stacked(self.fused, [t.regulariser for t in self.trials],
+                                               self.generators, self.cfg)
                       if first.regulariser is not None else None)
-        self.streams = streams
         shared = {id(p) for p in self.fused.skeleton.shared_parameters()}
         #: the stacked encoder parameters the gradient combiner sees as shared
         self.shared = [self.fused.params[k] for k, p in self.fused.skeleton.named_parameters()
@@ -130,9 +133,6 @@ class StackedTrials:
                 for g in range(len(self.trials[0].optimizer.param_groups))]
 
     # ------------------------------------------------------------------ the step's parts
-    def random_stream(self):
-        return contextlib.nullcontext()  # each trial's draws are taken on its own stream
-
     def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
         """The trials in ``batches`` step (the others do not move).  Every host value the
         step reads goes to the device here, before its first op (what a captured step
@@ -182,7 +182,7 @@ class StackedTrials:
         self.optimizer.clip_(self.max_norms, masks)
         self.optimizer.step(self.lrs, self.weight_decays, masks)
         if self.smart is not None:
-            self.smart.after_step(self.pattern["stepping"])
+            self.smart.after_step(self.fused.params, self.pattern["stepping"])
         # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
         # views of them too); which slices step is the masks' business
         torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
@@ -198,8 +198,7 @@ class StackedTrials:
         step's, in the order of its losses), drawn from its own stream as its solo run
         draws them (:func:`mtbert.techniques.gradients.trial_orders`)."""
         def draw(n: int, count: int) -> list[list[int]]:
-            with self.streams.of(self.trials[n]):
-                return random_orders(count)
+            return random_orders(count, self.generators[n])
 
         return trial_orders(tasks, [list(self.stepping[n]) if n in self.stepping
                                     else None for n in range(self.n)], draw, self.device)

@@ -22,16 +22,15 @@ step (:meth:`mtbert.run.trial_run.TrialRun.stepped`).  Two engines:
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, ContextManager, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from mtbert.core.devices import to_device
+from mtbert.techniques.gradients import random_orders
 from mtbert.techniques.losses import batch_loss
 
 if TYPE_CHECKING:
-    from mtbert.core.trial_streams import TrialStreams
     from mtbert.run.trial_run import Batches, TrialRun
 
 
@@ -43,9 +42,6 @@ class StepEngine(Protocol):
 
 class TrialParts(Protocol):
     """What :class:`EagerStep` asks of the trials it steps, one step at a time."""
-
-    def random_stream(self) -> ContextManager:
-        """Where the step runs: one trial's own random stream in a group, else as it is."""
 
     def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
         """A step of the trials in ``batches`` begins; the tasks it trains, in the order
@@ -78,12 +74,11 @@ class EagerStep:
 
     def step(self, batches: dict[TrialRun, Batches]) -> dict[TrialRun, dict[str, torch.Tensor]]:
         parts = self.parts
-        with parts.random_stream():
-            losses, terms = {}, {}
-            for task in parts.begin(batches):
-                losses[task], terms[task] = parts.task_loss(task)
-            parts.backward(terms, parts.penalty())
-            parts.update()
+        losses, terms = {}, {}
+        for task in parts.begin(batches):
+            losses[task], terms[task] = parts.task_loss(task)
+        parts.backward(terms, parts.penalty())
+        parts.update()
         return parts.losses_of(losses, batches)
 
 
@@ -104,15 +99,11 @@ def task_loss_terms(trial: TrialRun, task: str, batch: dict[str, torch.Tensor],
 class OneTrial:
     """One trial's parts of the step (no trial axis): its model and loss weighting, its
     gradient combiner, torch's ``clip_grad_norm_`` and AdamW (its optimizer), its SMART
-    teacher's EMA.  ``streams``: where the trial is a group of one, the group's random
-    streams, the step running on the trial's own; else torch's global stream."""
+    teacher's EMA.  Its draws are from its own stream (``trial.generator``)."""
 
-    def __init__(self, trial: TrialRun, streams: TrialStreams | None = None):
-        self.trial, self.streams = trial, streams
+    def __init__(self, trial: TrialRun):
+        self.trial = trial
         self.batches: Batches = {}
-
-    def random_stream(self) -> ContextManager:
-        return self.streams.of(self.trial) if self.streams is not None else contextlib.nullcontext()
 
     def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
         (trial, host), = batches.items()
@@ -132,7 +123,10 @@ class OneTrial:
 
     def backward(self, terms: dict[str, torch.Tensor], penalty: torch.Tensor | None) -> None:
         t = self.trial
-        t.grad_combiner.backward(terms, t.model.shared_parameters(), penalty)
+        # PCGrad's task orders from the trial's stream, after its noise (as stacked)
+        orders = (random_orders(len(terms), t.generator) if t.cfg.pcgrad and len(terms) > 1
+                  else None)
+        t.grad_combiner.backward(terms, t.model.shared_parameters(), penalty, orders)
 
     def update(self) -> None:
         t = self.trial

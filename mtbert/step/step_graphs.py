@@ -22,13 +22,14 @@ steps, then the graph is captured at the end of that step and replayed from the 
 The eager steps compute the same step with the same random numbers, so nothing is thrown
 away and a resumed run (which warms up again) trains as the uninterrupted one.
 
-Random numbers.  Dropout and SMART's noise draw from the default CUDA generator, whose
-graph-safe state gives each replay fresh numbers (PyTorch advances its philox offset by
-the graph's whole increment per replay).  SMART's forwards that replay the clean
-forward's dropout masks run under generator states of their own, registered with the
-graph, whose seed and offset are set to the default generator's before every replay:
-their philox offsets are then the clean forward's, as :class:`smart.EagerRngReplay`
-gives eagerly.
+Random numbers.  Dropout and SMART's noise draw from the trial's generator
+(:mod:`mtbert.core.trial_streams`), registered with each task graph, whose graph-safe state
+gives each replay fresh numbers (PyTorch advances its philox offset by the graph's whole
+increment per replay).  SMART's forwards that replay the clean forward's dropout masks
+run under generator states of their own, registered with the graph, whose seed and offset
+are set to the trial generator's before every replay: their philox offsets are then the
+clean forward's, as :class:`mtbert.core.trial_streams.StreamReplay` gives eagerly.  (Not
+yet run on a GPU since the trial generator replaced the default one.)
 
 All graphs share one memory pool: they never run at once, and what outlives a replay
 (the task losses, the gradients, the static inputs) is kept alive or allocated outside.
@@ -71,17 +72,20 @@ def reached_parameters(loss: torch.Tensor) -> set[int]:
 
 
 class GraphRngReplay:
-    """The capturable twin of :class:`mtbert.techniques.smart.EagerRngReplay`: each replaying forward
-    of a captured step runs under its own generator state, registered with the graph and
-    set to the default generator's seed and offset before each replay (``sync``)."""
+    """:class:`mtbert.core.trial_streams.StreamReplay` inside a capture: each replaying
+    forward of a captured step runs under its own state of the trial's generator,
+    registered with the graph and set to the generator's seed and offset before each
+    replay (``sync``)."""
 
-    def __init__(self, device: torch.device):
-        self.generator = torch.cuda.default_generators[device.index or 0]
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.generators = [generator]
         self._queue: list[torch.Generator] = []
 
     def states_for(self, graph: torch.cuda.CUDAGraph, count: int) -> list[torch.Generator]:
         """``count`` new states registered with ``graph``, used in order by the replaying
         forwards of the next capture."""
+        graph.register_generator_state(self.generator)
         states = [self.generator.clone_state() for _ in range(count)]
         for state in states:
             graph.register_generator_state(state)
@@ -95,7 +99,7 @@ class GraphRngReplay:
             state.manual_seed(seed)
             state.set_offset(offset)
 
-    def remember(self, device: torch.device):
+    def remember(self):
         return "clean forward"  # its offsets are the graph's first: nothing to save
 
     @contextlib.contextmanager
@@ -162,7 +166,7 @@ class StepGraphs:
             self.stream = torch.cuda.Stream(self.device) if self.cuda else None
             self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
             # the regulariser's during a capture
-            self.rng = GraphRngReplay(self.device) if self.cuda else None
+            self.rng = GraphRngReplay(trainer.generator) if self.cuda else None
             self.task_graphs: dict[tuple, TaskGraph] = {}
             self.reach: dict[str, set[int]] = {}
             self.static_grads = False
@@ -184,6 +188,8 @@ class StepGraphs:
         parameters each task's loss reaches; the static gradients zeroed (a stop between a
         task graph and the update may have left a sum in them)."""
         self.stream, self.pool, self.rng = kept.stream, kept.pool, kept.rng
+        if self.rng is not None:  # the graphs draw from the generator they registered:
+            self._draw_on(self.rng.generator)  # it takes this trial's stream
         self.task_graphs, self.reach = kept.task_graphs, kept.reach
         self.static_grads = kept.static_grads
         if self.static_grads:
@@ -195,6 +201,16 @@ class StepGraphs:
         if self.task_graphs:
             self.log(f"[mtbert] step graphs: {len(self.task_graphs)} task graphs kept from "
                      "this worker's previous trial of the same structure")
+
+    def _draw_on(self, generator: torch.Generator) -> None:
+        """The trainer's stream goes on in ``generator`` (its state taken in), which its
+        dropouts and regulariser then draw from."""
+        t = self.t
+        generator.set_state(t.generator.get_state())
+        t.generator = generator
+        t.dropouts.generators[:] = [generator]
+        if t.regulariser is not None:
+            t.regulariser.draw_from(generator)
 
     def release(self) -> None:
         """Let go of the trainer and its optimizer graphs (what a kept step does not

@@ -41,11 +41,12 @@ _TINY = 1e-30
 Other = Union[int, torch.Tensor]
 
 
-def random_orders(n: int) -> list[list[int]]:
-    """For each task i, the other tasks in a random order, from torch's global RNG."""
+def random_orders(n: int, generator: torch.Generator | None = None) -> list[list[int]]:
+    """For each task i, the other tasks in a random order, drawn from ``generator`` (a
+    trial's stream, :mod:`mtbert.core.trial_streams`; None: torch's global one)."""
     orders = []
     for i in range(n):
-        perm = torch.randperm(n).tolist()
+        perm = torch.randperm(n, generator=generator).tolist()
         orders.append([j for j in perm if j != i])
     return orders
 

@@ -59,13 +59,20 @@ def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig
     return weighted_mean(rows, weights)
 
 
+def loss_and_output(model, task: str, batch: dict[str, torch.Tensor], cfg: TrainConfig
+                    ) -> tuple[torch.Tensor, TaskOutput]:
+    """``model``'s forward on a task batch and its :func:`task_loss` (filler rows weigh 0):
+    the loss before any regulariser's term, and the output the term compares."""
+    out = model(task, batch)
+    return task_loss(task, out, batch["labels"], cfg, batch.get(ROW_WEIGHTS)), out
+
+
 def batch_loss(model, task: str, batch: dict[str, torch.Tensor], cfg: TrainConfig,
                regulariser=None) -> torch.Tensor:
     """One task batch's training loss: ``model``'s forward, :func:`task_loss` (filler rows
     weigh 0) and the regulariser's term (SMART) when there is one -- the eager step, the
     captured step and the fused step all take it from here."""
-    out = model(task, batch)
-    loss = task_loss(task, out, batch["labels"], cfg, batch.get(ROW_WEIGHTS))
+    loss, out = loss_and_output(model, task, batch, cfg)
     if regulariser is not None:
         loss = loss + regulariser.term(model, task, batch, out)
     return loss

@@ -53,6 +53,7 @@ from torch import nn
 
 from mtbert.core.atomic import atomic_write
 from mtbert.core.config import TrainConfig, default_cache_dir
+from mtbert.core.devices import uses_bf16
 from mtbert.data import MultitaskData, collate, encoding_for, pad_rows
 from mtbert.model.dropout_rate import RateDropout
 from mtbert.techniques.losses import task_loss
@@ -190,8 +191,10 @@ def cache_key(cfg: TrainConfig, data: MultitaskData, modules: dict[str, nn.Modul
         "pretrain_batch_size": cfg.pretrain_batch_size, "seed": cfg.seed,
         "max_length": cfg.max_length, "dropout": cfg.dropout, "pooling": cfg.pooling,
         "device": torch.device(device).type,
+        "bf16": uses_bf16(cfg.precision, torch.device(device)),
     }
-    if any(isinstance(m, RateDropout) for module in modules.values() for m in module.modules()):
+    if any(isinstance(m, RateDropout) and m.number is None
+           for module in modules.values() for m in module.modules()):
         fields["dropout_kernel"] = "rate_tensor"  # (CUDA) other masks than nn.Dropout's
     if stage in ("simcse", "simcse_sup"):
         fields["simcse_temp"] = cfg.simcse_temp
@@ -240,7 +243,7 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
     params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.pretrain_lr, weight_decay=0.0)
     rng = np.random.default_rng([cfg.seed, _STAGE_CODE[stage]])
-    autocast = device.type == "cuda"
+    autocast = uses_bf16(cfg.precision, device)
     bs = cfg.pretrain_batch_size
     losses: list[float] = []
 

@@ -21,18 +21,20 @@ For task ``t`` the trainer adds to the task loss
 
 Dropout.  ``f(·; θ)`` in R_s and D_Breg is one function: the perturbed, the ascent
 and the teacher forwards replay the dropout masks of the trainer's clean forward
-(the regulariser records torch's RNG state in a forward pre-hook and restores it
-around its own forwards), so R_s is exactly 0 for δ = 0 and D_Breg exactly 0 for
-θ̃ = θ even in train mode, and the ascent direction is not swamped by dropout noise.
-The global RNG then continues as if those forwards had not consumed it; only the
-initial noise ν is drawn from it (so checkpoint resume stays exact).
+(the trial generators' states before it, restored around each of these forwards by
+:class:`mtbert.core.trial_streams.StreamReplay`), so R_s is exactly 0 for δ = 0 and D_Breg
+exactly 0 for θ̃ = θ even in train mode, and the ascent direction is not swamped by
+dropout noise.  The trial's stream then continues as if those forwards had not drawn;
+the initial noise ν is drawn from it (:func:`draw_noise`, in the trial's own batch shape,
+alone or stacked: alone after its clean forward, stacked when the step begins, as the
+stacked masks come from the group's stream).
 
 One trial and N.  The ascent (:func:`ascend`), its start (:func:`start_perturbation`), the
 divergences and the teacher's EMA (:func:`teacher_ema_`) are written once, for one
 trial's ``[rows, tokens, hidden]`` embeddings and for N stacked trials'
-``[N, rows, tokens, hidden]`` with each trial's η, ε and β as tensors:
-:class:`SmartRegulariser` runs them for one trial, :class:`TrialAxisSmart` for the trials
-of a fused step (:mod:`mtbert.step.fused_training`).
+``[N, rows, tokens, hidden]`` with each trial's η, ε and β as tensors, and so is the term
+that runs them: :class:`SmartRegulariser`, of one trial (its model) or of the trials of a
+fused step (:meth:`SmartRegulariser.stacked`, :mod:`mtbert.step.fused_training`).
 
 Cost.  One SMART step adds an ascent forward + a backward to the embeddings only,
 an adversarial forward + its backward, and (μ > 0) one no-grad teacher forward.
@@ -55,10 +57,10 @@ from torch.func import functional_call, vmap
 
 from mtbert.core.config import TrainConfig
 from mtbert.data import ROW_WEIGHTS, encoding_for
-from mtbert.techniques.losses import _wide, task_loss, weighted_mean
+from mtbert.techniques.losses import _wide, loss_and_output, weighted_mean
 from mtbert.model.model import TaskOutput
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.core.trial_streams import _rng_state, _set_rng_state
+from mtbert.core.trial_streams import StreamReplay
 
 _TINY = 1e-12
 
@@ -102,28 +104,22 @@ def divergence(task: str, p: torch.Tensor, q: torch.Tensor,
     return squared_error(p, q, weights)
 
 
-# ---------------------------------------------------------------------- RNG replay
-class EagerRngReplay:
-    """Replays the clean forward's random numbers by saving torch's RNG state before it and
-    setting it again around each replaying forward (host copies of the state: eager only;
-    :class:`mtbert.step.step_graphs.GraphRngReplay` is the capturable twin)."""
-
-    def remember(self, device: torch.device):
-        return _rng_state(device)
-
-    @contextlib.contextmanager
-    def replay(self, remembered):
-        """Run the block on the remembered stream; the global stream is left as it was."""
-        after = _rng_state(remembered[2])
-        _set_rng_state(remembered)
-        try:
-            yield
-        finally:
-            _set_rng_state(after)
-
-
-def _batch_device(batch: dict[str, torch.Tensor]) -> torch.device:
-    return next(iter(batch.values())).device
+# ---------------------------------------------------------------------- noise
+def draw_noise(batches: dict[str, dict[str, torch.Tensor]], generator: torch.Generator | None,
+               hidden: int, dtype: torch.dtype, device: torch.device, pair_encoding: str,
+               lambda_on: dict[str, bool], std: float) -> dict[str, list[torch.Tensor]]:
+    """ν ~ N(0, σ² I) (Algorithm 1's start) for each task batch of a step whose λ_t > 0, in
+    the batch's own shape ``[rows, tokens, hidden]``, one per input (``input``, or ``a``
+    then ``b``), drawn in that order from ``generator`` (the trial's stream)."""
+    noise = {}
+    for task, batch in batches.items():
+        if not lambda_on[task]:
+            continue
+        keys = (["input_ids_a", "input_ids_b"] if encoding_for(task, pair_encoding) == "siamese"
+                else ["input_ids"])
+        noise[task] = [torch.randn(tuple(batch[k].shape) + (hidden,), dtype=dtype,
+                                   device=device, generator=generator) * std for k in keys]
+    return noise
 
 
 _MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
@@ -208,12 +204,84 @@ class SmartSettings:
                 "eps": self.eps, "mu": self.mu}
 
 
+class _OneModel:
+    """One trial's forwards (no trial axis, as HFTA's B = 0 is the plain module): its own
+    model; ℓ_s a number."""
+    lead = 1  # the leading axes that index an example: rows
+
+    def __init__(self, smart: SmartRegulariser, model: nn.Module):
+        self.smart, self.model = smart, model
+
+    def embed(self, task, batch):
+        return self.model.embed_inputs(task, batch)
+
+    def noise(self, task, key, x):
+        return self.smart.initial_noise(x)
+
+    def compared(self, task, batch, rng, embeds=None, tensors=None) -> torch.Tensor:
+        """What ℓ_s compares of the model's forward at ``embeds`` (or of the weights
+        ``tensors``, the teacher's), on the clean forward's dropout masks where ``rng``."""
+        self.smart._busy = True  # not a clean forward: the pre-hook remembers nothing
+        try:
+            with self.smart.rng.replay(rng) if rng is not None else contextlib.nullcontext():
+                out = (self.model(task, batch, embeds=embeds) if tensors is None else
+                       functional_call(self.model, tensors, (task, batch), {"embeds": embeds}))
+        finally:
+            self.smart._busy = False
+        return smart_output(task, out)
+
+    def divergence(self, task, p, q, batch) -> torch.Tensor:
+        return divergence(task, p, q, batch.get(ROW_WEIGHTS))
+
+
+class _Stacked:
+    """N stacked trials' forwards: the fused model's (:meth:`FusedModel.map`), each trial
+    on its slice of the batch; ℓ_s ``[N]``."""
+    lead = 2  # trials and rows
+
+    def __init__(self, smart: SmartRegulariser, fused):
+        self.smart, self.fused = smart, fused
+
+    def embed(self, task, batch):
+        return self.fused.map(lambda model, b: model.embed_inputs(task, b), batch)
+
+    def noise(self, task, key, x):
+        return self.smart.drawn_noise(task, key, x)
+
+    def compared(self, task, batch, rng, embeds=None, tensors=None) -> torch.Tensor:
+        with self.smart.rng.replay(rng):
+            return self.fused.map(lambda model, b, e: smart_output(task, model(task, b, e or None)),
+                                  batch, embeds or {}, tensors=tensors)
+
+    def divergence(self, task, p, q, batch) -> torch.Tensor:
+        return vmap(lambda a, c, w: divergence(task, a, c, w))(p, q, batch[ROW_WEIGHTS])
+
+
+def _against(value, like: torch.Tensor):
+    """A per-trial value against ``like``: a number or 0-d tensor (one trial) as it is; an
+    ``[N]`` tensor as ``[N, 1, ...]`` in ``like``'s dtype."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return value.to(like.dtype).view((-1,) + (1,) * (like.dim() - 1))
+    return value
+
+
 class SmartRegulariser:
-    """``term(model, task, batch, clean_output)`` = λ_task·R_s + μ·D_Breg for one task batch;
-    ``after_step(model)`` updates the EMA teacher; ``state_dict`` holds the teacher."""
+    """SMART's term λ_t · R_s(θ) + μ · D_Breg(θ, θ̃) (eqs. 2 and 5 of report 004), written
+    once over a leading trial axis, for one trial or N stacked ones.
+
+    One trial (built from its config and model: what its run holds, refills and
+    checkpoints) skips the axis: its own model's forwards, λ_t, ε and μ numbers or 0-d
+    tensors (:meth:`hold_in_tensors`); :meth:`term` from :func:`batch_loss`,
+    :meth:`after_step` with its model, ``state_dict`` its teacher.  N trials
+    (:meth:`stacked`, from the trials' own): the fused model's forwards, each value an
+    ``[N]`` tensor, the teacher ``[N, ...]`` (each trial's own holding views of its slices);
+    :meth:`task_losses` gives each trial's L_t plus its term, :meth:`after_step` the
+    stacked weights and who stepped.  Which terms are on (λ_t > 0, μ > 0) and the number of
+    ascent steps are the trials' structure (:func:`mtbert.run.graph_reuse.structure`)."""
 
     def __init__(self, cfg: TrainConfig, model: nn.Module):
         self.settings = SmartSettings.of(cfg)
+        self.lambda_on = {t: lam > 0 for t, lam in self.settings.lambdas.items()}
         self.teacher: dict[str, torch.Tensor] | None = None
         if self.settings.mu > 0:
             self.teacher = {n: p.detach().clone() for n, p in model.named_parameters()
@@ -221,10 +289,58 @@ class SmartRegulariser:
         # the values the term multiplies and clamps by: these floats, or after
         # hold_in_tensors() 0-d device tensors that a captured step reads at each replay
         self.values: dict[str, float | torch.Tensor] = self.settings.values()
+        self.step_size: float | torch.Tensor = self.settings.step_size
         self._busy = False
-        self._seen: tuple | None = None  # (task, batch, rng state before that forward)
-        self.rng = EagerRngReplay()  # the trainer's step graphs swap in GraphRngReplay
+        self._seen: tuple | None = None  # (task, batch, stream states before that forward)
+        #: the trial's stream, its states replayed (the trainer's step graphs swap in
+        #: GraphRngReplay during a capture); set by the trial (:meth:`draw_from`); a
+        #: regulariser of no trial (a bare model's) draws on torch's default generator
+        self.rng = StreamReplay([torch.default_generator])
         self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
+
+    @classmethod
+    def stacked(cls, fused, regularisers: list[SmartRegulariser],
+                generators: list[torch.Generator], cfg) -> SmartRegulariser:
+        """SMART of N stacked trials (a fused step; ``fused``: the
+        :class:`~mtbert.step.fused_model.FusedModel`), each with its own λ_t, ε, μ, β, noise
+        σ and ascent step η (``[N]`` tensors), from the trials' own ``regularisers``, whose
+        teachers become views of the stacked teacher's slices (their checkpoints').  Each
+        trial's ν is drawn from its own stream (``generators``, by slot) when the step
+        begins (:meth:`draw_noise`); the forwards replay the clean forward's dropout masks
+        on the fused model's streams."""
+        self = cls.__new__(cls)
+        settings = [r.settings for r in regularisers]
+        device = next(iter(fused.params.values())).device
+
+        def per_trial(values):
+            return torch.tensor(values, dtype=torch.float64, device=device)
+
+        self.settings = settings[0]  # the structure: which terms are on, the ascent's steps
+        self.lambda_on = {t: settings[0].lambdas[t] > 0 for t in TASK_NAMES}
+        self.values = {**{f"lambda_{t}": per_trial([s.lambdas[t] for s in settings])
+                          for t in TASK_NAMES},
+                       "eps": per_trial([s.eps for s in settings]),
+                       "mu": per_trial([s.mu for s in settings])}
+        self.step_size = per_trial([s.step_size for s in settings])
+        self.betas = per_trial([s.beta for s in settings])
+        self.noise_std = [s.noise_std for s in settings]
+        self.teacher = None
+        if regularisers[0].teacher is not None:
+            self.teacher = {k: torch.stack([r.teacher[k] for r in regularisers])
+                            for k in regularisers[0].teacher}
+            for n, r in enumerate(regularisers):
+                r.teacher = {k: t[n] for k, t in self.teacher.items()}
+        self.fused, self.generators, self.cfg = fused, generators, cfg
+        skeleton = fused.skeleton
+        table = skeleton.encoder.get_input_embeddings().weight
+        name = next(k for k, p in skeleton.named_parameters() if p is table)
+        self.embedding = fused.params[name]  # [N, vocab, hidden]: the noise's dtype and width
+        self.rng = StreamReplay(fused.generators)  # the streams the masks are drawn from
+        self._busy, self._seen = False, None
+        #: this step's ν: task -> its input's place (0, or 1 for ``b``) -> ``[N, rows,
+        #: tokens, hidden]`` in the stacked batch's shape (:meth:`draw_noise`)
+        self._noise: dict[str, dict[int, torch.Tensor]] = {}
+        return self
 
     # -------------------------------------------------------------- tensor values
     def hold_in_tensors(self, device: torch.device) -> None:
@@ -255,18 +371,67 @@ class SmartRegulariser:
                     tensor.copy_(params[name])
         self._seen = None
 
-    # -------------------------------------------------------------- hooks / state
+    # -------------------------------------------------------------- the stream
+    def draw_from(self, generator: torch.Generator) -> None:
+        """Draw ν and replay dropout masks on ``generator`` (the trial's stream)."""
+        self.rng = StreamReplay([generator])
+
     def _remember_rng(self, module, args, kwargs):
-        """Record torch's RNG state before each training forward of the model (the trainer's
-        clean forward) so the regulariser's forwards can replay its dropout masks."""
+        """Remember the stream's state before each training forward of the model (the
+        trainer's clean forward) so the regulariser's forwards can replay its masks."""
         if self._busy or not module.training or not torch.is_grad_enabled():
             return None
         task = args[0] if args else kwargs.get("task")
         batch = args[1] if len(args) > 1 else kwargs.get("batch")
         if isinstance(batch, dict) and batch:
-            self._seen = (task, batch, self.rng.remember(_batch_device(batch)))
+            self._seen = (task, batch, self.rng.remember())
         return None
 
+    def _replay_state(self, task: str, batch: dict[str, torch.Tensor]):
+        seen, self._seen = self._seen, None
+        if seen is not None and seen[0] == task and seen[1] is batch:
+            return seen[2]
+        return None  # clean forward not observed: our forwards draw fresh dropout masks
+
+    def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
+        """One trial's ν ~ N(0, σ² I) shaped like the embeddings ``x``, from its stream (as
+        :func:`draw_noise` draws it; a bare regulariser's: torch's default generator)."""
+        generator = self.rng.generators[0]
+        if generator.device != x.device:  # a bare regulariser's model on CUDA
+            return torch.randn_like(x) * self.settings.noise_std
+        return torch.randn(x.shape, dtype=x.dtype, device=x.device,
+                           generator=generator) * self.settings.noise_std
+
+    def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]],
+                   stacked: dict[str, dict[str, torch.Tensor]]) -> None:
+        """N trials' ν for the step (``batches``: slot -> its host batches), each from its
+        stream in its solo shape and order (:func:`draw_noise`), placed in the stacked
+        batch's shape (``stacked``: task -> the step's stacked batch; 0 in the padding and
+        where a trial lacks the task): drawn before the step's first op, as its inputs."""
+        self._noise = {}
+        if not any(self.lambda_on.values()):
+            return
+        hidden, dtype = self.embedding.shape[-1], self.embedding.dtype
+        device = self.embedding.device
+        for n, trial_batches in batches.items():
+            drawn = draw_noise(trial_batches, self.generators[n], hidden, dtype, device,
+                               self.cfg.pair_encoding, self.lambda_on, self.noise_std[n])
+            for task, inputs in drawn.items():
+                noise = self._noise.setdefault(task, {})
+                keys = (["input_ids_a", "input_ids_b"] if len(inputs) == 2 else ["input_ids"])
+                for place, (k, nu) in enumerate(zip(keys, inputs)):
+                    if place not in noise:
+                        noise[place] = torch.zeros(stacked[task][k].shape + (hidden,),
+                                                   dtype=dtype, device=device)
+                    rows, width = nu.shape[:2]
+                    noise[place][n, :rows, :width] = nu
+
+    def drawn_noise(self, task: str, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The step's drawn ν for ``key``'s embeddings ``x`` (``[N, rows, tokens, hidden]``)."""
+        nu = self._noise.get(task, {}).get({"input": 0, "a": 0, "b": 1}[key])
+        return torch.zeros_like(x) if nu is None else nu.to(x.dtype)
+
+    # -------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"teacher": dict(self.teacher)} if self.teacher is not None else {}
 
@@ -280,251 +445,21 @@ class SmartRegulariser:
             for name, tensor in self.teacher.items():
                 tensor.copy_(saved[name])
 
-    def after_step(self, model: nn.Module) -> None:
-        """θ̃ ← β θ̃ + (1 − β) θ (:func:`teacher_ema_`)."""
+    def after_step(self, model: nn.Module | dict[str, torch.Tensor],
+                   stepping: torch.Tensor | None = None) -> None:
+        """θ̃ ← β θ̃ + (1 − β) θ (:func:`teacher_ema_`): one trial's ``model``; or the stacked
+        weights (name -> ``[N, ...]``) of the trials ``stepping`` (``[N]`` bool on the
+        device; β = 1 for a trial that did not step, whose teacher stays: one β a tensor
+        shape, no loop over the trials)."""
         if self.teacher is None:
             return
-        params = dict(model.named_parameters())
+        params = model if isinstance(model, dict) else dict(model.named_parameters())
         names = list(self.teacher)
-        beta = self.settings.beta
-        teacher_ema_([self.teacher[n] for n in names], [params[n] for n in names], beta,
-                     1.0 - beta)
-
-    # -------------------------------------------------------------- the term
-    def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
-             clean: TaskOutput) -> torch.Tensor:
-        """λ_task · R_s(θ) + μ · D_Breg(θ, θ̃) for this batch (eqs. 2 and 5 of report 004)."""
-        ref = smart_output(task, clean)
-        lam, mu = self.settings.lambdas[task], self.settings.mu
-        total = ref.new_zeros((), dtype=torch.float32)
-        if lam == 0 and mu == 0:
-            return total
-        rng = self._replay_state(task, batch)
-        if lam > 0:
-            total = total + self.values[f"lambda_{task}"] * self.smoothness(model, task, batch,
-                                                                           clean, rng)
-        if mu > 0:
-            total = total + self.values["mu"] * self.bregman(model, task, batch, clean, rng)
-        return total
-
-    def _replay_state(self, task: str, batch: dict[str, torch.Tensor]):
-        seen, self._seen = self._seen, None
-        if seen is not None and seen[0] == task and seen[1] is batch:
-            return seen[2]
-        return None  # clean forward not observed: our forwards draw fresh dropout masks
-
-    def _forward(self, model, task, batch, rng, embeds=None, params=None) -> TaskOutput:
-        """One forward of the model (or of the teacher weights ``params``) that reuses the
-        dropout masks of the clean forward when ``rng`` is known, leaving the global RNG as
-        it was."""
-        self._busy = True
-        try:
-            with self.rng.replay(rng) if rng is not None else contextlib.nullcontext():
-                if params is None:
-                    return model(task, batch, embeds=embeds)
-                return functional_call(model, params, (task, batch), {"embeds": embeds})
-        finally:
-            self._busy = False
-
-    def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
-        """ν ~ N(0, σ² I) shaped like the embeddings ``x``, from torch's global RNG."""
-        return torch.randn_like(x) * self.settings.noise_std
-
-    def perturbation(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
-                     clean: TaskOutput, rng=None) -> tuple[dict, dict]:
-        """The embeddings x (detached) and the adversarial δ with ‖δ‖∞ ≤ ε (Algorithm 1)."""
-        x, masks, delta = start_perturbation(model.embed_inputs(task, batch), batch,
-                                             lambda k, e: self.initial_noise(e))
-        target = smart_output(task, clean).detach()
-        weights = batch.get(ROW_WEIGHTS)
-
-        def divergence_at(embeds):
-            out = self._forward(model, task, batch, rng, embeds)
-            return divergence(task, smart_output(task, out), target, weights)
-
-        delta = ascend(x, delta, masks, divergence_at, self.settings.steps,
-                       self.settings.step_size, self.values["eps"])
-        return x, delta
-
-    def smoothness(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
-                   clean: TaskOutput, rng=None) -> torch.Tensor:
-        """R_s(θ) = ℓ_s(f(x + δ*; θ), f(x; θ)) with δ* from :meth:`perturbation` (001 eq. 7);
-        gradients reach θ through both outputs."""
-        x, delta = self.perturbation(model, task, batch, clean, rng)
-        return self.divergence_at(model, task, batch, clean, x, delta, rng)
-
-    def divergence_at(self, model, task, batch, clean, x, delta, rng=None) -> torch.Tensor:
-        """ℓ_s(f(x + δ; θ), f(x; θ)) for a given perturbation δ."""
-        out = self._forward(model, task, batch, rng, {k: x[k] + delta[k] for k in x})
-        return divergence(task, smart_output(task, out), smart_output(task, clean),
-                          batch.get(ROW_WEIGHTS))
-
-    def bregman(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
-                clean: TaskOutput, rng=None) -> torch.Tensor:
-        """D_Breg(θ, θ̃) = ℓ_s(f(x; θ), f(x; θ̃)) (004 eq. 6); the teacher runs under no_grad."""
-        with torch.no_grad():
-            out = self._forward(model, task, batch, rng, params=self.teacher)
-        return divergence(task, smart_output(task, clean), smart_output(task, out).detach(),
-                          batch.get(ROW_WEIGHTS))
-
-
-# ---------------------------------------------------------------------- N stacked trials
-def _loss_and_compared(model, task: str, batch: dict[str, torch.Tensor], cfg):
-    """One trial's task loss (as :func:`mtbert.techniques.losses.batch_loss`, before its SMART term)
-    and what ℓ_s compares of its clean output."""
-    out = model(task, batch)
-    return (task_loss(task, out, batch["labels"], cfg, batch.get(ROW_WEIGHTS)),
-            smart_output(task, out))
-
-
-class TrialAxisSmart:
-    """SMART over N stacked trials (a fused step): each trial's loss on a task batch is its
-    solo ``batch_loss`` with its SMART term, L_t + λ_t · R_s(θ) + μ · D_Breg(θ, θ̃), with
-    λ_t, ε, μ, β, the noise σ and the ascent step η each trial's own (``[N]`` tensors);
-    which terms are on (λ_t > 0, μ > 0) and the number of ascent steps are the group's
-    structure (:func:`mtbert.run.graph_reuse.structure`).  The ascent (:func:`ascend`), the
-    divergences and the teacher's EMA (:func:`teacher_ema_`) are the one-trial
-    regulariser's, over the trial axis; the forwards are the fused model's
-    (:meth:`mtbert.step.fused_model.FusedModel.map`), and one ``autograd.grad`` of the sum of
-    the trials' divergences gives each trial's slice of δ its own gradient.
-
-    Noise.  A solo run draws ν from torch's global RNG, seeded by its trainer; here each
-    trial draws its ν from its own copy of that stream (:mod:`mtbert.core.trial_streams`) in its
-    solo batch's shape and task order, so with dropout 0 a fused trial's noise, and so its
-    run, is its solo run's (on a CPU: a solo run on CUDA holds its dropout rate in a device
-    tensor and draws masks from that stream even at rate 0, so there the two draw their
-    noise at other points of it).  Dropout masks come from the process's RNG
-    (:mod:`mtbert.step.fused_model`); the forwards replay the clean forward's masks as the solo
-    regulariser's do.  The teacher: ``[N, ...]`` copies of the trainable weights; each
-    trial's own :class:`SmartRegulariser` holds views of its slices (its checkpoint's)."""
-
-    def __init__(self, fused, regularisers: list[SmartRegulariser], streams, trials: list,
-                 cfg):
-        """``fused``: the :class:`~mtbert.step.fused_model.FusedModel`; ``streams``: the trials'
-        :class:`~mtbert.core.trial_streams.TrialStreams`; ``trials``: their keys, by slot."""
-        self.fused, self.streams, self.trials, self.cfg = fused, streams, trials, cfg
-        settings = [r.settings for r in regularisers]
-        device = next(iter(fused.params.values())).device
-
-        def per_trial(values):
-            return torch.tensor(values, dtype=torch.float64, device=device)
-
-        self.lambdas = {t: per_trial([s.lambdas[t] for s in settings]) for t in TASK_NAMES}
-        self.lambda_on = {t: settings[0].lambdas[t] > 0 for t in TASK_NAMES}
-        self.eps = per_trial([s.eps for s in settings])
-        self.step_size = per_trial([s.step_size for s in settings])
-        self.mu = per_trial([s.mu for s in settings])
-        self.noise_std = [s.noise_std for s in settings]
-        self.betas = per_trial([s.beta for s in settings])
-        self.steps = settings[0].steps
-        self.teacher: dict[str, torch.Tensor] | None = None
-        if regularisers[0].teacher is not None:
-            self.teacher = {k: torch.stack([r.teacher[k] for r in regularisers])
-                            for k in regularisers[0].teacher}
-            for n, r in enumerate(regularisers):
-                r.teacher = {k: t[n] for k, t in self.teacher.items()}
-        skeleton = fused.skeleton
-        table = skeleton.encoder.get_input_embeddings().weight
-        name = next(k for k, p in skeleton.named_parameters() if p is table)
-        self.embedding = fused.params[name]  # [N, vocab, hidden]: the noise's dtype and width
-        self.rng = EagerRngReplay()
-        #: this step's ν: task -> its input's place (0, or 1 for ``b``) -> ``[N, rows,
-        #: tokens, hidden]`` in the stacked batch's shape (:meth:`draw_noise`)
-        self._noise: dict[str, dict[int, torch.Tensor]] = {}
-
-    # -------------------------------------------------------------- noise
-    def draw_noise(self, batches: dict[int, dict[str, dict[str, torch.Tensor]]],
-                   stacked: dict[str, dict[str, torch.Tensor]]) -> None:
-        """ν ~ N(0, σ_n² I) for every trial's task batches of this step (``batches``: slot ->
-        its host batches), from the trial's stream, in its solo shape and order (its tasks,
-        then ``a`` before ``b``), placed in the stacked batch's shape (``stacked``: task ->
-        the step's stacked batch; 0 in the padding and where a trial lacks the task): the
-        step's noise, drawn before its first op as the rest of its inputs are."""
-        self._noise = {}
-        if not any(self.lambda_on.values()):
+        teacher = [self.teacher[n] for n in names]
+        if stepping is None:
+            beta = self.settings.beta
+            teacher_ema_(teacher, [params[n] for n in names], beta, 1.0 - beta)
             return
-        hidden, dtype = self.embedding.shape[-1], self.embedding.dtype
-        device = self.embedding.device
-        for n, trial_batches in batches.items():
-            with self.streams.of(self.trials[n]):
-                for task, batch in trial_batches.items():
-                    if not self.lambda_on[task]:
-                        continue
-                    keys = (["input_ids_a", "input_ids_b"]
-                            if encoding_for(task, self.cfg.pair_encoding) == "siamese"
-                            else ["input_ids"])
-                    noise = self._noise.setdefault(task, {})
-                    for place, k in enumerate(keys):
-                        if place not in noise:
-                            noise[place] = torch.zeros(stacked[task][k].shape + (hidden,),
-                                                       dtype=dtype, device=device)
-                        rows, width = batch[k].shape
-                        noise[place][n, :rows, :width] = torch.randn(
-                            (rows, width, hidden), dtype=dtype, device=device) * self.noise_std[n]
-
-    def _initial_noise(self, task: str, key: str, x: torch.Tensor) -> torch.Tensor:
-        """The step's drawn ν for ``key``'s embeddings ``x`` (``[N, rows, tokens, hidden]``)."""
-        nu = self._noise.get(task, {}).get({"input": 0, "a": 0, "b": 1}[key])
-        return torch.zeros_like(x) if nu is None else nu.to(x.dtype)
-
-    # -------------------------------------------------------------- the term
-    def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[N]``: L_t + λ_t·R_s + μ·D_Breg of each trial on its slice of ``batch``."""
-        remembered = self.rng.remember(self.embedding.device)
-        losses, compared = self.fused.map(
-            lambda model, b: _loss_and_compared(model, task, b, self.cfg), batch)
-        term = torch.zeros_like(losses)
-        if self.lambda_on[task]:
-            smooth = self.smoothness(task, batch, compared, remembered)
-            term = term + self.lambdas[task].to(smooth.dtype) * smooth
-        if self.teacher is not None:
-            breg = self.bregman(task, batch, compared, remembered)
-            term = term + self.mu.to(breg.dtype) * breg
-        return losses + term
-
-    def _compared(self, task, batch, remembered, embeds=None, tensors=None) -> torch.Tensor:
-        """What ℓ_s compares of each trial's forward at ``embeds`` (or of the weights
-        ``tensors``), on the clean forward's dropout masks."""
-        with self.rng.replay(remembered):
-            return self.fused.map(lambda model, b, e: smart_output(task, model(task, b, e or None)),
-                                  batch, embeds or {}, tensors=tensors)
-
-    def _divergence(self, task, p, q, batch) -> torch.Tensor:
-        """ℓ_s of each trial (``[N]``), a mean over its real rows."""
-        return vmap(lambda a, c, w: divergence(task, a, c, w))(p, q, batch[ROW_WEIGHTS])
-
-    def smoothness(self, task, batch, compared, remembered) -> torch.Tensor:
-        """R_s = ℓ_s(f(x + δ*; θ), f(x; θ)) per trial, δ* from :func:`ascend`."""
-        x, masks, delta = start_perturbation(
-            self.fused.map(lambda model, b: model.embed_inputs(task, b), batch), batch,
-            lambda k, e: self._initial_noise(task, k, e))
-        target = compared.detach()
-        shape = (-1,) + (1,) * 3  # a per-trial value against [N, rows, tokens, hidden]
-        step = self.step_size.to(next(iter(x.values())).dtype).view(shape)
-        eps = self.eps.to(step.dtype).view(shape)
-
-        def divergence_at(embeds):
-            return self._divergence(task, self._compared(task, batch, remembered, embeds),
-                                    target, batch).sum()
-
-        delta = ascend(x, delta, masks, divergence_at, self.steps, step, eps, lead=2)
-        out = self._compared(task, batch, remembered, {k: x[k] + delta[k] for k in x})
-        return self._divergence(task, out, compared, batch)
-
-    def bregman(self, task, batch, compared, remembered) -> torch.Tensor:
-        """D_Breg = ℓ_s(f(x; θ), f(x; θ̃)) per trial; the teachers run under no_grad."""
-        with torch.no_grad():
-            out = self._compared(task, batch, remembered, tensors=self.teacher)
-        return self._divergence(task, compared, out.detach(), batch)
-
-    def after_step(self, stepping: torch.Tensor) -> None:
-        """:func:`teacher_ema_` of each trial that stepped (``stepping``: ``[N]`` bool on the
-        device); a trial that did not step has β = 1 and keeps its teacher.  No loop over
-        the trials: one β a tensor shape, a few ops for all the parameters."""
-        if self.teacher is None:
-            return
-        names = list(self.teacher)
-        teacher = [self.teacher[k] for k in names]
         dtype = teacher[0].dtype
         beta = torch.where(stepping, self.betas, 1.0).to(dtype)
         one_minus = torch.where(stepping, 1.0 - self.betas, 0.0).to(dtype)
@@ -533,8 +468,93 @@ class TrialAxisSmart:
             if t.dim() not in shaped:
                 view = (-1,) + (1,) * (t.dim() - 1)
                 shaped[t.dim()] = (beta.view(view), one_minus.view(view))
-        teacher_ema_(teacher, [self.fused.params[k] for k in names],
+        teacher_ema_(teacher, [params[n] for n in names],
                      [shaped[t.dim()][0] for t in teacher], [shaped[t.dim()][1] for t in teacher])
+
+    # -------------------------------------------------------------- the term, written once
+    def term(self, model: nn.Module, task: str, batch: dict[str, torch.Tensor],
+             clean: TaskOutput) -> torch.Tensor:
+        """One trial's λ_task · R_s(θ) + μ · D_Breg(θ, θ̃) on this batch (its clean output
+        ``clean``; what :func:`mtbert.techniques.losses.batch_loss` adds)."""
+        compared = smart_output(task, clean)
+        total = compared.new_zeros((), dtype=torch.float32)
+        if not self.lambda_on[task] and self.teacher is None:
+            return total
+        return self._term(_OneModel(self, model), task, batch, compared,
+                          self._replay_state(task, batch), total)
+
+    def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """N stacked trials' ``[N]``: L_t + λ_t·R_s + μ·D_Breg of each on its slice of
+        ``batch``, its L_t :func:`~mtbert.techniques.losses.loss_and_output`'s as
+        :func:`~mtbert.techniques.losses.batch_loss` takes it."""
+        remembered = self.rng.remember()
+
+        def loss_and_compared(model, b):
+            loss, out = loss_and_output(model, task, b, self.cfg)
+            return loss, smart_output(task, out)
+
+        losses, compared = self.fused.map(loss_and_compared, batch)
+        return losses + self._term(_Stacked(self, self.fused), task, batch, compared,
+                                   remembered, torch.zeros_like(losses))
+
+    def _term(self, forwards, task, batch, compared, rng, total) -> torch.Tensor:
+        if self.lambda_on[task]:
+            smooth = self._smoothness(forwards, task, batch, compared, rng)
+            total = total + _against(self.values[f"lambda_{task}"], smooth) * smooth
+        if self.teacher is not None:
+            breg = self._bregman(forwards, task, batch, compared, rng)
+            total = total + _against(self.values["mu"], breg) * breg
+        return total
+
+    def _perturbation(self, forwards, task, batch, compared, rng) -> tuple[dict, dict]:
+        """x (detached) and the adversarial δ with ‖δ‖∞ ≤ ε, each trial's with its own η
+        and ε (Jiang et al.'s Algorithm 1, :func:`ascend`)."""
+        x, masks, delta = start_perturbation(forwards.embed(task, batch), batch,
+                                             lambda k, e: forwards.noise(task, k, e))
+        target = compared.detach()
+        like = next(iter(x.values()))
+        step = _against(self.step_size, like)
+        eps = _against(self.values["eps"], like)
+
+        def divergence_at(embeds):  # the trials' sum: each slice of δ gets its own gradient
+            return forwards.divergence(task, forwards.compared(task, batch, rng, embeds),
+                                       target, batch).sum()
+
+        delta = ascend(x, delta, masks, divergence_at, self.settings.steps, step, eps,
+                       lead=forwards.lead)
+        return x, delta
+
+    def _smoothness(self, forwards, task, batch, compared, rng) -> torch.Tensor:
+        """R_s(θ) = ℓ_s(f(x + δ*; θ), f(x; θ)) (001 eq. 7); gradients reach θ through both."""
+        x, delta = self._perturbation(forwards, task, batch, compared, rng)
+        out = forwards.compared(task, batch, rng, {k: x[k] + delta[k] for k in x})
+        return forwards.divergence(task, out, compared, batch)
+
+    def _bregman(self, forwards, task, batch, compared, rng) -> torch.Tensor:
+        """D_Breg(θ, θ̃) = ℓ_s(f(x; θ), f(x; θ̃)) (004 eq. 6); the teacher under no_grad."""
+        with torch.no_grad():
+            out = forwards.compared(task, batch, rng, tensors=self.teacher)
+        return forwards.divergence(task, compared, out.detach(), batch)
+
+    # -------------------------------------------------------------- one trial's parts
+    def perturbation(self, model, task, batch, clean: TaskOutput, rng=None) -> tuple[dict, dict]:
+        """One trial's x and δ* (:meth:`_perturbation`)."""
+        return self._perturbation(_OneModel(self, model), task, batch,
+                                  smart_output(task, clean), rng)
+
+    def smoothness(self, model, task, batch, clean: TaskOutput, rng=None) -> torch.Tensor:
+        return self._smoothness(_OneModel(self, model), task, batch,
+                                smart_output(task, clean), rng)
+
+    def divergence_at(self, model, task, batch, clean: TaskOutput, x, delta,
+                      rng=None) -> torch.Tensor:
+        """One trial's ℓ_s(f(x + δ; θ), f(x; θ)) for a given perturbation δ."""
+        forwards = _OneModel(self, model)
+        out = forwards.compared(task, batch, rng, {k: x[k] + delta[k] for k in x})
+        return forwards.divergence(task, out, smart_output(task, clean), batch)
+
+    def bregman(self, model, task, batch, clean: TaskOutput, rng=None) -> torch.Tensor:
+        return self._bregman(_OneModel(self, model), task, batch, smart_output(task, clean), rng)
 
 
 def build_regulariser(cfg: TrainConfig, model) -> SmartRegulariser | None:

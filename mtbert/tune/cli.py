@@ -3,6 +3,8 @@
 Exit codes: 0 the search ran and its summary is written; 1 no trial produced a
 checkpoint; 2 bad input (one ``error: ...`` line on stderr, nothing written); 130 the
 search was interrupted (Ctrl-C: the summary covers what ran; ``--resume`` continues).
+``--send-mlflow`` (send_mlflow.py): 0 every MLflow write of the search sent, 1 its server
+still away, 2 bad input.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mtbert.tune.search.choices import (DEFAULT_SCHEDULER, DEFAULT_SEARCHER, KEE
                                         SCHEDULERS, SEARCHERS)
 from mtbert.tune.infra.mps import CHOICES as MPS_CHOICES
 from mtbert.tune.trial.objective import DEFAULT_RUNG_METRIC, RUNG_METRICS, rung_metric_keys
+from mtbert.tune.send_mlflow import send
 from mtbert.tune.settings import FUSE_CHOICES, resolve_settings, resume_command
 from mtbert.tune.search.spaces import default_spaces_dir, list_spaces
 
@@ -174,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue --experiment after a crash (Tuner.restore)")
     p.add_argument("--extend", metavar="EXPERIMENT", help=EXTEND_HELP)
+    p.add_argument("--send-mlflow", action="store_true",
+                   help="send the MLflow writes that search --experiment (in --storage-path) "
+                        "left unsent, its server away when it ended (its summary names "
+                        "them): exit 0 once all are in MLflow, 1 while the server still "
+                        "does not take them")
     return p
 
 
@@ -200,6 +208,8 @@ def given_flags(argv: list[str] | None) -> frozenset[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help stays fast
     args.given = given_flags(argv)
+    if args.send_mlflow:  # (MLflow only: no Ray, no torch)
+        return send_mlflow(args)
     from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
 
     quiet_environment()
@@ -229,6 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: interrupted twice: stopped without a summary; Ray's last experiment "
               f"snapshot is kept. Continue with: {resume_command(settings)}", file=sys.stderr)
         return 130
+
+
+#: the options ``--send-mlflow`` takes (the others belong to a search)
+SEND_OPTIONS = frozenset({"send_mlflow", "experiment", "storage_path"})
+
+
+def send_mlflow(args: argparse.Namespace) -> int:
+    """``--send-mlflow``: the exit code of send_mlflow.send; bad input is one ``error:``
+    line, exit 2."""
+    extra = sorted(f"--{name.replace('_', '-')}" for name in args.given - SEND_OPTIONS)
+    try:
+        if extra:
+            raise ConfigError(f"--send-mlflow takes --experiment and --storage-path only, "
+                              f"not {', '.join(extra)}")
+        return send(args.experiment, args.storage_path)
+    except MtbertError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
 
 
 def one_line(message: str) -> str:

@@ -16,18 +16,20 @@ import sys
 import time
 
 from mtbert.core.config import TrainConfig
+from mtbert.core.devices import precision_line
 from mtbert.data import load_data
 from mtbert.tune.experiment import start_experiment
 from mtbert.tune.infra.cluster import dashboard_lines, plan_resources, ray_for_search
 from mtbert.tune.infra.mps import MPS_LOG_FOLDER, cuda_mps, local_gpu
-from mtbert.tune.infra.tracking import SearchTracker
+from mtbert.tune.infra.outbox import OUTBOX_DIR
+from mtbert.tune.infra.tracking import SearchTracker, open_store_early
 from mtbert.tune.results.callback import MlflowTrialCallback
 from mtbert.tune.results.extension import points_for_searcher
 from mtbert.tune.results.finish import finish
 from mtbert.tune.results.mlflow_results import ui_links
 from mtbert.tune.results.summary import SearchSummary, phases_line
 from mtbert.tune.search.tuner import InterruptWatch, build_tuner
-from mtbert.tune.settings import SearchSettings, resume_command
+from mtbert.tune.settings import SearchSettings, resume_command, space_precisions
 from mtbert.tune.trial import work_folders
 from mtbert.tune.trial.fused_trainable import train_fused_trial
 from mtbert.tune.trial.trainable import train_trial
@@ -47,6 +49,7 @@ def run(settings: SearchSettings) -> int:
     have_gpu = local_gpu(settings.address)
     settings = dataclasses.replace(settings, fused=settings.fuses(have_gpu))
     mps_choice = "off" if settings.fused else settings.mps  # no MPS on the fused path
+    open_store_early(settings.mlflow_uri)  # its tables made while Ray starts
     with cuda_mps(mps_choice, settings.address, settings.gpus_per_trial,
                   mps_choice != "off" and have_gpu, mps_logs) as mps, \
             ray_for_search(settings.address, mps.worker_env):
@@ -65,6 +68,7 @@ def run(settings: SearchSettings) -> int:
             print(f"[tune] {max_concurrent} trials at once, each {plan.cpus_per_trial:g} CPU "
                   f"and {plan.gpus_per_trial:g} GPU ({plan.rule}); CUDA MPS {mps.note}{threads}",
                   flush=True)
+        print(f"[tune] trials' {trial_precision_line(settings, plan.gpus_per_trial)}", flush=True)
         tracker, parent_run = start_experiment(settings, max_concurrent)
         phases["tune_started_at"] = time.time()
         phases["setup_s"] = phases["tune_started_at"] - phases["started_at"] - phases["data_s"]
@@ -80,6 +84,18 @@ def run(settings: SearchSettings) -> int:
         phases["tune_s"] = phases["tune_ended_at"] - phases["tune_started_at"]
         summary = finish(settings, data, grid, tracker, parent_run, interrupted, phases)
         return print_outcome(settings, summary)
+
+
+def trial_precision_line(settings: SearchSettings, gpus_per_trial: float) -> str:
+    """What the trials compute in on this machine's trials' device (each trial reports
+    its own: ``train/bf16``; on a cluster the workers' devices decide)."""
+    import torch
+
+    cuda = gpus_per_trial > 0 and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    # the space's fixed value or choices, else the base config's (auto by default)
+    return "; ".join(precision_line(p, device) for p in
+                     space_precisions(settings.space, settings.base.get("precision", "auto")))
 
 
 def load_search_data(settings: SearchSettings):
@@ -160,6 +176,12 @@ def print_outcome(settings: SearchSettings, summary: SearchSummary) -> int:
     for line in ui_links(settings.mlflow_uri, refs.experiment_id, refs.parent_run_id,
                          refs.runs_view):
         print(f"[tune] MLflow {line}")
+    if summary.mlflow_unsent:
+        unsent = summary.mlflow_unsent
+        print(f"warning: {unsent['operations']} MLflow writes had not reached "
+              f"{settings.mlflow_uri} when the search ended (they wait in "
+              f"{settings.location.exp_dir / OUTBOX_DIR}); send them once it answers: "
+              f"{unsent['command']}", file=sys.stderr)
     if summary.interrupted:
         print(f"[tune] the search was interrupted: {counts.interrupted} trials did not "
               f"finish and {counts.not_started} had not started; the summary covers what "

@@ -1,13 +1,16 @@
 """What a search opens before Tune's loop: the experiment folder with its settings file
 (``--resume`` and ``--extend`` read it), the MLflow parent run with the search's settings
 as its params and its link to an extended search, and the lines that say where to watch
-it and what it searches."""
+it and what it searches.  The tracker it returns writes to MLflow in the background,
+through the experiment's outbox (on ``--resume``, the writes an earlier run left unsent
+go first)."""
 
 from __future__ import annotations
 
 import json
 
 from mtbert.tune.infra.location import reset_staging
+from mtbert.tune.infra.outbox import OUTBOX_DIR
 from mtbert.tune.infra.tracking import SearchTracker
 from mtbert.tune.results.extension import searcher_told_line
 from mtbert.tune.results.mlflow_results import share_runs_view, ui_links
@@ -27,8 +30,10 @@ def start_experiment(settings: SearchSettings, max_concurrent: int) -> tuple[Sea
     elif location.exp_uri:  # the local staging copy, for the MLflow artifact below
         (location.exp_dir / SETTINGS_FILE).write_text(location.read(SETTINGS_FILE),
                                                       encoding="utf-8")
+    # MLflow writes from here on are sent in the background, in order (tracking.py)
     tracker = SearchTracker(settings.mlflow_uri, f"mtbert/{settings.space.name}",
-                            location.exp_uri or location.exp_dir, fresh=not settings.resume)
+                            location.exp_uri or location.exp_dir, fresh=not settings.resume,
+                            background=True, outbox_dir=location.exp_dir / OUTBOX_DIR)
     budget = settings.budget
     tags = {"space": settings.space.name, "budget": budget.name,
             "ray_experiment": location.ray_experiment}

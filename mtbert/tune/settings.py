@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -37,6 +38,7 @@ from mtbert.tune.search.choices import (check_optional_packages, check_per_rung,
 from mtbert.tune.trial.objective import rung_metric_keys
 from mtbert.tune.saved_settings import earlier_settings, merge_saved_settings
 from mtbert.tune.search.spaces import SearchSpace, load_space, parse_space, read_points
+from mtbert.tune.infra.outbox import flush_seconds
 from mtbert.tune.infra.tracking import TrackingError, check_tracking_uri, default_tracking_uri
 
 #: --fuse: the trials trained by trainer actors (mtbert.tune.trial.group_trainer), those of
@@ -114,6 +116,11 @@ class SearchSettings:
         trial's default step is captured graphs, and no GPU has measured the two."""
         del have_gpu  # what auto decides by, once a GPU bench has measured the two
         return self.fuse == "on"
+
+    def send_mlflow_command(self) -> str:
+        """The command that sends the MLflow writes this search left unsent."""
+        return (f"python tune_driver.py --send-mlflow --experiment {self.experiment} "
+                f"--storage-path {shlex.quote(self.storage_arg)}")
 
     def saved(self) -> dict[str, Any]:
         """What ``mtbert_search.json`` holds: the effective CLI values and the space, so that
@@ -211,6 +218,7 @@ def resolve_settings(args: argparse.Namespace) -> SearchSettings:
                            searcher_choice(search_alg).learns_from_earlier)
     if not args.address:
         _check_compile_modes(space, args.gpus_per_trial)
+        _check_precisions(space, args.gpus_per_trial)
     points = read_points(args.points, space) if getattr(args, "points", None) else ()
     if len(points) > num_samples:
         raise ConfigError(f"--points {args.points}: {len(points)} points, more than "
@@ -282,6 +290,7 @@ def _check_numbers(args: argparse.Namespace, num_samples: int) -> None:
 
 def _tracking_uri(args: argparse.Namespace, storage: Path) -> tuple[str, str | None]:
     """(MLflow tracking URI, the unreachable one it replaces or None), checked."""
+    flush_seconds()  # MTBERT_MLFLOW_FLUSH_S, read at the search's end: checked now
     uri = args.mlflow_uri or default_tracking_uri(storage)
     try:
         check_tracking_uri(uri)
@@ -311,6 +320,30 @@ def _check_compile_modes(space: SearchSpace, gpus_per_trial: float | None) -> No
     cuda = gpus_per_trial != 0 and torch.cuda.is_available()
     for mode in sorted(modes):
         check_compile_mode(mode, torch.device("cuda" if cuda else "cpu"))
+
+
+def _check_precisions(space: SearchSpace, gpus_per_trial: float | None) -> None:
+    """Every ``precision`` the space can give a trial runs on this machine's trials'
+    device, as :func:`_check_compile_modes` checks ``compile``: bf16 where it is not
+    native is one error before anything starts."""
+    precisions = space_precisions(space, None)
+    if not precisions:
+        return
+    import torch
+
+    from mtbert.core.devices import uses_bf16  # deferred: torch
+    cuda = gpus_per_trial != 0 and torch.cuda.is_available()
+    for precision in precisions:
+        uses_bf16(precision, torch.device("cuda" if cuda else "cpu"))
+
+
+def space_precisions(space: SearchSpace, default: str | None) -> list[str]:
+    """The ``precision`` values the space gives its trials: its fixed value, its choices,
+    or ``[default]`` where it names none."""
+    param = space.params.get("precision")
+    if param is None:
+        return [default] if default else []
+    return sorted(set(param.choices)) if param.searched else [param.value]
 
 
 def _model(model: str) -> str:

@@ -29,8 +29,7 @@ def quiet_environment() -> None:
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # snapshot Tune's experiment state every second (Ray's "auto" waits >= 10 s): what
     # --resume restores after a driver crash is then at most a second or so old, so it
-    # rarely names a trial's checkpoint that num_to_keep has deleted since (such a trial
-    # cannot be restored) or misses a trial that ended or started meanwhile
+    # rarely misses a trial that ended or started meanwhile
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 
 

@@ -2,7 +2,9 @@
 
 Tune calls it in the driver process on each trial start / result / completion / error;
 it logs through :class:`~mtbert.tune.infra.tracking.SearchTracker` (run ids and the last
-logged step persist in the experiment folder, so a restored search adds no runs).
+logged step persist in the experiment folder, so a restored search adds no runs).  The
+tracker queues each write in the search's outbox, sent by a thread of its own: Tune's
+loop never waits for MLflow, and a server that is away fails no trial nor the search.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mtbert.core.devices import uses_bf16
 from mtbert.data import encoding_for, eval_token_cap
 from mtbert.run.ensemble import combine, greedy_task_selection, task_labels
 from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
@@ -44,7 +45,7 @@ def predict_member(checkpoint_dir: str, data, device: str = "cpu",
                 continue
             out[split_name][task] = predict_split(
                 model, split, encoding_for(task, cfg.pair_encoding), data.pad_id,
-                cfg.eval_batch_size, dev, autocast=dev.type == "cuda",
+                cfg.eval_batch_size, dev, autocast=uses_bf16(cfg.precision, dev),
                 max_tokens=eval_token_cap(cfg.eval_batch_tokens, dev.type))
     return out
 

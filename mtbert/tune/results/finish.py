@@ -1,8 +1,12 @@
 """The end of a search, once Tune's loop is done: the trials ranked, the finalists' best
 checkpoints predict and are ensembled, the plots, the summary and ``trials.json`` written,
-MLflow told (each trial's results, the ensemble run, the parent run's metrics and page),
-the kept weights chosen (``--keep-checkpoints``), the experiment uploaded (URI storage)
-and the parent run ended.  ``settings`` is the command line's ``SearchSettings``."""
+MLflow told (each trial's results, the ensemble run, the parent run's metrics and page)
+and the parent run ended, the kept weights chosen (``--keep-checkpoints``) and the
+experiment uploaded (URI storage).  The MLflow writes go through the tracker's outbox:
+the end waits for them while MLflow takes them (giving up after ``MTBERT_MLFLOW_FLUSH_S``
+seconds without one taken), and where the server has not taken them all the summary says
+what is unsent and the command that sends it.  ``settings`` is the command line's
+``SearchSettings``."""
 
 from __future__ import annotations
 
@@ -11,18 +15,21 @@ import time
 
 from mtbert.core.atomic import atomic_write_text
 from mtbert.tune.infra.location import STAGED_CHECKPOINTS
+from mtbert.tune.infra.outbox import OUTBOX_DIR
 from mtbert.tune.infra.tracking import SearchTracker
 from mtbert.tune.results import finalists as fin
 from mtbert.tune.results.callback import close_unended_runs
 from mtbert.tune.results.extension import (TRIALS_FILE, KnownTrial, points_for_searcher,
                                            trials_document)
 from mtbert.tune.results.mlflow_results import (log_ensemble_run, log_search_metrics,
-                                                log_trial_results, note_search, runs_view_key)
+                                                log_trial_results, note_search, runs_view_key,
+                                                unsent_note)
 from mtbert.tune.results.records import collect_trials, ranked
 from mtbert.tune.results.report import write_report
 from mtbert.tune.results.retention import keep_what_was_asked
 from mtbert.tune.results.summary import (MlflowRefs, SearchSummary, build_summary,
-                                         first_ready_s)
+                                         first_ready_s, read_rung_decisions)
+from mtbert.tune.search.tuner import RUNG_DECISIONS_FILE
 
 
 def finish(settings, data, grid, tracker: SearchTracker, parent_run: str, interrupted: bool,
@@ -59,19 +66,20 @@ def finish(settings, data, grid, tracker: SearchTracker, parent_run: str, interr
     refs = MlflowRefs(settings.mlflow_uri, tracker.experiment_id(), parent_run,
                       runs_view=runs_view_key(list(settings.space.searched)))
     summary = build_summary(settings, records, ranking, dev_of, ensemble, report, refs,
-                            interrupted, left_out, len(points_for_searcher(settings)))
+                            interrupted, left_out, len(points_for_searcher(settings)),
+                            read_rung_decisions(exp_dir / RUNG_DECISIONS_FILE))
 
     log_trial_results(tracker, records, settings.base, data, preds, dev_of)
     if ensemble is not None:
         log_ensemble_run(tracker, f"{settings.experiment}-ensemble", ensemble, settings.top_k,
                          exp_dir / "ensemble" / "predictions", data.split("sst", "val").labels)
     log_search_metrics(tracker, parent_run, summary)
+    sent = tracker.flush()  # (the runs it made named in the summary)
     complete = not summary.interrupted and not summary.counts.not_started
     if complete and settings.keep_checkpoints != "all":
         summary = keep_what_was_asked(settings, summary,
                                       {r.trial_id: r.best_checkpoint for r in finalists})
-    summary = dataclasses.replace(summary, mlflow=dataclasses.replace(
-        summary.mlflow, ensemble_run_id=tracker.state.get("ensemble_run_id")))
+    summary = summary.with_mlflow_runs(tracker.run_ids(), tracker.state.get("ensemble_run_id"))
     if location.exp_uri:  # name where the files live for users: the URI, not the staging copy
         summary = summary.with_public_paths(location.public, stored)
     if phases:
@@ -91,10 +99,28 @@ def finish(settings, data, grid, tracker: SearchTracker, parent_run: str, interr
         atomic_write_text(exp_dir / name, text)
         tracker.log_artifact(parent_run, exp_dir / name)
     note_search(tracker, parent_run, summary.markdown())  # what its MLflow page says
-    location.upload(skip=(STAGED_CHECKPOINTS,))
     # an interrupted search's parent run is KILLED until --resume reopens and finishes it
     tracker.finish(parent_run, "KILLED" if summary.interrupted
                    else "FINISHED" if finalists else "FAILED")
+    summary = wait_for_mlflow(settings, tracker, summary, patient=sent)
+    location.upload(skip=(STAGED_CHECKPOINTS, OUTBOX_DIR))  # (the outbox: this machine's)
+    return summary
+
+
+def wait_for_mlflow(settings, tracker: SearchTracker, summary: SearchSummary,
+                    patient: bool) -> SearchSummary:
+    """The queued MLflow writes sent (``patient``: waiting ``MTBERT_MLFLOW_FLUSH_S`` for
+    MLflow to take one; else, its server away at the first wait, no more); where some are
+    not, the summary with ``mlflow_unsent``, and summary.json and summary.md rewritten with
+    it (not the copies queued for MLflow: those are right once everything reaches it)."""
+    sent = tracker.flush(None if patient else 0.0)
+    unsent = None if sent else unsent_note(tracker, settings.send_mlflow_command())
+    tracker.close()  # (what is unsent stays in the outbox, for --send-mlflow)
+    if unsent is None:  # (sent, or in the meantime)
+        return summary
+    summary = dataclasses.replace(summary, mlflow_unsent=unsent)
+    for name, text in (("summary.json", summary.to_json()), ("summary.md", summary.markdown())):
+        atomic_write_text(settings.location.exp_dir / name, text)
     return summary
 
 

@@ -9,7 +9,12 @@
 * links: MLflow 3's UI opens an experiment on its GenAI view unless the URL asks for
   ``workflowType=machine_learning`` (inside the ``#`` fragment); a shared view state
   (experiment tag ``mlflow.sharedViewState.KEY``, the UI's "share view") preselects the
-  columns and sorts the runs by ``best/val/overall``.
+  columns and sorts the runs by ``best/val/overall``;
+* what has not reached MLflow yet (the tracker's outbox) for the summary.
+
+Each write goes through the tracker: in a search, queued in its outbox and sent in the
+background (tracking.py), so a run is named by its id or, while its creation waits there,
+by the trial (``tracker.run_of``).
 """
 
 from __future__ import annotations
@@ -29,9 +34,6 @@ from mtbert.tune.trial.trial_config import trial_config_values
 
 #: where ``mlflow ui`` serves a local store (its default port)
 LOCAL_UI = "http://127.0.0.1:5000"
-#: the longest tag value MLflow keeps (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``)
-NOTE_LIMIT = 8000
-NOTE_CUT = "\n\n(cut at MLflow's length of a note: the whole is the run's artifact summary.md)\n"
 
 
 def ui_base(tracking_uri: str) -> str:
@@ -53,8 +55,7 @@ def share_runs_view(tracker: SearchTracker, searched: list[str]) -> str:
                *(f"params.`{k}`" for k in searched)]
     state = {"selectedColumns": columns, "orderByKey": f"metrics.`{BEST_OBJECTIVE}`",
              "orderByAsc": False}
-    tracker.client.set_experiment_tag(tracker.experiment_id(), f"mlflow.sharedViewState.{key}",
-                                      json.dumps(state))
+    tracker.set_experiment_tag(f"mlflow.sharedViewState.{key}", json.dumps(state))
     return key
 
 
@@ -85,20 +86,21 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
 
     with tempfile.TemporaryDirectory(prefix="mtbert-mlflow-") as tmp:
         for r in records:
-            if not r.mlflow_run_id:
+            run = tracker.run_of(r.trial_id)  # (its id, or its name while unsent)
+            if run is None:
                 continue
             run_dir = Path(tmp) / r.trial_id
             run_dir.mkdir()
             config_file = run_dir / "config.yaml"
             config_file.write_text(yaml.safe_dump(trial_config_values(base, r.config),
                                                   sort_keys=False), encoding="utf-8")
-            tracker.log_artifact(r.mlflow_run_id, config_file)
-            tracker.set_tags(r.mlflow_run_id, {"best_val_overall": f"{r.best_score:.6f}",
-                                               "status": r.status})
+            tracker.log_artifact(run, config_file)
+            tracker.set_tags(run, {"best_val_overall": f"{r.best_score:.6f}",
+                                   "status": r.status})
             if not tracker.ends.frozen(r.trial_id):  # (ended before a --resume: kept as it was)
-                tracker.set_tags(r.mlflow_run_id, {"examples_seen": r.examples_seen,
-                                                   "rung_reached": r.rung_reached,
-                                                   "examples_trained": r.examples_trained})
+                tracker.set_tags(run, {"examples_seen": r.examples_seen,
+                                       "rung_reached": r.rung_reached,
+                                       "examples_trained": r.examples_trained})
             for h in r.history:  # (a step logged before, or of a frozen run, is not logged)
                 if "examples_seen" in h:
                     tracker.log_trial_result(r.trial_id, {
@@ -108,20 +110,20 @@ def log_trial_results(tracker: SearchTracker, records, base: dict[str, Any], dat
             if r.best_checkpoint:
                 ckpt = Path(r.best_checkpoint)
                 for f in sorted((ckpt / "predictions").glob("val-*.parquet")):
-                    tracker.log_artifact(r.mlflow_run_id, f, "predictions")
+                    tracker.log_artifact(run, f, "predictions")
                 metrics_file = ckpt / "metrics.json"
                 if metrics_file.is_file():
                     m = json.loads(metrics_file.read_text(encoding="utf-8"))
                     if "val/sst_confusion" in m:
                         png = confusion_plot(m["val/sst_confusion"], run_dir / "sst_confusion.png",
                                              f"{r.trial_id}: val SST at {m.get('examples_seen')} ex.")
-                        tracker.log_artifact(r.mlflow_run_id, png)
+                        tracker.log_artifact(run, png)
             if r.trial_id in preds:
                 folder = write_member_predictions(run_dir / "finalist", data, preds[r.trial_id])
                 for f in sorted(folder.glob("*")):
-                    tracker.log_artifact(r.mlflow_run_id, f, "finalist_predictions")
+                    tracker.log_artifact(run, f, "finalist_predictions")
                 if dev_of.get(r.trial_id):
-                    tracker.log_metrics(r.mlflow_run_id, dev_of[r.trial_id], step=r.examples_seen)
+                    tracker.log_metrics(run, dev_of[r.trial_id], step=r.examples_seen)
 
 
 def log_ensemble_run(tracker: SearchTracker, name: str, ensemble, top_k: int,
@@ -165,9 +167,14 @@ def log_search_metrics(tracker: SearchTracker, parent_run: str, summary) -> None
         tracker.log_artifact(parent_run, path, "report")
 
 
+def unsent_note(tracker: SearchTracker, command: str) -> dict[str, Any] | None:
+    """What has not reached MLflow (``SearchSummary.mlflow_unsent``) and the command that
+    sends it, or None."""
+    unsent = tracker.unsent()
+    return None if unsent is None else {**unsent, "command": command}
+
+
 def note_search(tracker: SearchTracker, parent_run: str, markdown: str) -> None:
     """The parent run's note (tag ``mlflow.note.content``: the description its MLflow page
     shows): the search's ``summary.md``, cut where it is longer than MLflow keeps."""
-    if len(markdown) > NOTE_LIMIT:
-        markdown = markdown[:NOTE_LIMIT - len(NOTE_CUT)] + NOTE_CUT
-    tracker.set_tags(parent_run, {"mlflow.note.content": markdown})
+    tracker.set_note(parent_run, markdown)

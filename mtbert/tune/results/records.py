@@ -101,6 +101,15 @@ class TrialRecord:
     # checkpoint, count too (``examples_seen`` is how far it got: its last evaluation);
     # 0: not recorded (a trials.json written before it was)
     examples_trained: int = 0
+    # the evaluations (examples seen) missing from Ray's result log and taken from the
+    # trial's checkpoints; and the results missing from Ray's log that none of them holds
+    rows_filled: list[int] = field(default_factory=list)
+    rows_missing: int = 0
+
+    @property
+    def evaluated_at(self) -> list[int]:
+        """The examples seen at each of its evaluations, in order."""
+        return [int(h["examples_seen"]) for h in self.history if "examples_seen" in h]
 
     @property
     def best_score(self) -> float:
@@ -112,23 +121,33 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
                  history: list[dict[str, Any]], checkpoints: Iterable[tuple[str, dict]],
                  last_examples_seen: int, error: str | None, max_examples: int,
                  rungs: list[int], ended: bool = True, retries: int = 0,
-                 runs: Iterable[tuple[int, int]] = ()) -> TrialRecord:
+                 runs: Iterable[tuple[int, int]] = (),
+                 kept_history: Iterable[dict[str, Any]] = ()) -> TrialRecord:
     """One trial from what its run left: the evaluation history (Ray's result rows), its
-    checkpoints with their metrics, the last reported examples seen, its error text and
-    its runs (``(from, to)`` examples of each: :class:`TrainedLog`).
+    checkpoints with their metrics, the history its newest checkpoint kept
+    (``history.json``: every evaluation of the trial up to it), the last reported examples
+    seen, its error text and its runs (``(from, to)`` examples of each: :class:`TrainedLog`).
 
-    Ray drops a result still in flight when it stops a trial (the promoting scheduler
-    stops the trials running to a rung on another trial's result): the checkpoint of that
-    evaluation is in the trial folder, its row is not in Ray's log.  Its evaluation (a
-    checkpoint past Ray's last row) is taken from the checkpoint, so ``examples_seen`` -- how far the trial got, to its last
-    evaluation -- counts it; ``examples_trained`` adds what its runs trained past their
-    last evaluation and again from an earlier checkpoint."""
+    Ray's rows are cross-checked against what the trial kept itself: an evaluation missing
+    from them is taken from its checkpoints (``rows_filled``).  Ray drops a result still in
+    flight when it stops a trial (the promoting scheduler stops the trials running to a
+    rung on another trial's result), and a logger that restores a trial's log from an
+    older storage copy loses rows (result_logs.py); a gap in Ray's result numbers that
+    the checkpoints do not fill is counted (``rows_missing``), never silent.
+    ``examples_seen`` -- how far the trial got, to its last evaluation -- counts the
+    filled rows; ``examples_trained`` adds what its runs trained past their last
+    evaluation and again from an earlier checkpoint."""
     checkpoints = list(checkpoints)
-    rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
-    last = max((h["examples_seen"] for h in rows if "examples_seen" in h), default=-1)
-    rows += sorted((_history_row(m) for _, m in checkpoints  # (the dropped result: the last)
-                    if isinstance(m.get("examples_seen"), (int, float))
-                    and m["examples_seen"] > last), key=lambda h: h["examples_seen"])
+    ray_rows = _one_row_per_point([scalar_metrics(h, finite=True) for h in history])
+    at_ray = {h["examples_seen"] for h in ray_rows if "examples_seen" in h}
+    kept: dict[float, dict[str, float]] = {}
+    for m in [*kept_history, *(m for _, m in checkpoints)]:
+        if isinstance(m.get("examples_seen"), (int, float)) and m["examples_seen"] not in at_ray:
+            kept.setdefault(m["examples_seen"], _history_row(m))
+    rows = sorted(ray_rows + list(kept.values()), key=lambda h: h.get("examples_seen", -1))
+    last_ray = max(at_ray, default=-1)
+    iterations = {int(h["training_iteration"]) for h in ray_rows if "training_iteration" in h}
+    lost = len(set(range(1, max(iterations, default=0) + 1)) - iterations)
     best, best_path = {}, None
     for path, metrics in checkpoints:
         score = metrics.get(OBJECTIVE)
@@ -147,7 +166,8 @@ def trial_record(trial_id: str, name: str, config: dict[str, Any],
         best_checkpoint=best_path, examples_seen=seen, rung_reached=rung_reached(seen, rungs),
         status=trial_status(seen, max_examples, errored=error is not None, ended=ended),
         error=summarize_error(error) if error is not None else "", retries=retries,
-        examples_trained=trained)
+        examples_trained=trained, rows_filled=sorted(int(p) for p in kept),
+        rows_missing=max(0, lost - sum(1 for p in kept if p < last_ray)))
 
 
 def _history_row(metrics: dict[str, Any]) -> dict[str, float]:
@@ -204,10 +224,12 @@ def collect_trials(result_grid, max_examples: int, rungs: list[int],
         df = result.metrics_dataframe
         if df is not None and len(df) and OBJECTIVE in df.columns:
             history = df[[c for c in df.columns if _kept_in_history(c)]].to_dict("records")
+        checkpoints = _checkpoints(result)
         records.append(trial_record(
-            tid, Path(result.path).name, result.config or {}, history, _checkpoints(result),
+            tid, Path(result.path).name, result.config or {}, history, checkpoints,
             last_seen, error, max_examples, rungs, ended=ended is None or tid in ended,
-            retries=(retries or {}).get(tid, 0), runs=_trained_runs(result)))
+            retries=(retries or {}).get(tid, 0), runs=_trained_runs(result),
+            kept_history=_newest_history(result, checkpoints)))
     return records
 
 
@@ -225,8 +247,8 @@ def _checkpoints(result) -> list[tuple[str, dict]]:
     """(path, metrics) of the trial's checkpoints that exist: those Ray lists, and any
     other ``checkpoint_*`` folder of the trial (its ``metrics.json``).
 
-    After a driver crash Ray's restored list can lag the trial folder: it may name a
-    checkpoint that ``num_to_keep`` has deleted since, and miss newer ones."""
+    After a driver crash Ray's restored list can lag the trial folder: it may miss the
+    newer ones."""
     import pyarrow.fs
     fs = getattr(result, "filesystem", None) or pyarrow.fs.LocalFileSystem()
     out: dict[str, dict] = {}
@@ -252,6 +274,23 @@ def _checkpoints(result) -> list[tuple[str, dict]]:
                 metrics.setdefault("timestamp", info.mtime.timestamp())
             out[info.path] = metrics
     return sorted(out.items())
+
+
+def _newest_history(result, checkpoints: list[tuple[str, dict]]) -> list[dict]:
+    """The evaluations the trial's newest checkpoint kept (its ``history.json``: every
+    evaluation up to that checkpoint's); [] where it has none or it is unreadable."""
+    import pyarrow.fs
+    dated = [(m["examples_seen"], path) for path, m in checkpoints
+             if isinstance(m.get("examples_seen"), (int, float))]
+    if not dated:
+        return []
+    fs = getattr(result, "filesystem", None) or pyarrow.fs.LocalFileSystem()
+    try:
+        with fs.open_input_stream(f"{max(dated)[1]}/history.json") as fh:
+            history = json.loads(fh.read().decode("utf-8"))
+    except (OSError, FileNotFoundError, ValueError):
+        return []
+    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
 
 
 # ---------------------------------------------------------------------- examples trained

@@ -113,6 +113,13 @@ class TrialRow:
     evaluations: int
     origin: str = ""                 # the earlier search it trained in (--extend), or ""
     examples_trained: int = 0        # over all its runs (records.TrialRecord)
+    # the examples seen at each evaluation, as the history holds them; those of them taken
+    # from its checkpoints (missing from Ray's result log); results lost from Ray's log
+    # that no checkpoint holds (records.trial_record)
+    evaluated_at: list[int] = dataclasses.field(default_factory=list)
+    rows_filled: list[int] = dataclasses.field(default_factory=list)
+    rows_missing: int = 0
+    precision: str = ""              # what it computed in: bf16 | fp32 ("" unreported)
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,15 @@ class SearchSummary:
     # the compute: every example this search's trials trained (records.TrialRecord's
     # examples_trained: past a stop or a pause too, and again after a restore)
     examples_trained: int = 0
+    # the promoting scheduler's decisions in the order taken (--scheduler asha-promote;
+    # ray_classes.PromotingASHA): {decision: scored | promoted | stopped, trial_id, rung
+    # (examples), metric, value (the trial's score there), compared (promoted: every
+    # score of the rung it was chosen from)}
+    rung_decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # what had not reached MLflow when the search ended (its server away past the wait):
+    # {operations: N, runs: {parent | ensemble | trial id | experiment: N}, command: the
+    # command that sends them}; None once everything is in MLflow
+    mlflow_unsent: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,6 +239,19 @@ class SearchSummary:
 
     def console_table(self) -> str:
         return _console_table(self)
+
+    def with_mlflow_runs(self, runs: dict[str, str],
+                         ensemble_run_id: str | None) -> "SearchSummary":
+        """The summary with the MLflow run ids known now (``runs``: trial id -> run id)
+        where it had none: a run made while MLflow was away."""
+        def row(item):
+            return dataclasses.replace(item, mlflow_run_id=item.mlflow_run_id
+                                       or runs.get(item.trial_id))
+        return dataclasses.replace(
+            self, trials=[row(t) for t in self.trials], top_trials=[row(t) for t in self.top_trials],
+            best_trial=self.best_trial and row(self.best_trial),
+            mlflow=dataclasses.replace(self.mlflow, ensemble_run_id=ensemble_run_id
+                                       or self.mlflow.ensemble_run_id))
 
     def with_public_paths(self, public: Callable[[str | None], str | None],
                           stored: dict[str, str]) -> "SearchSummary":
@@ -262,13 +291,14 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
                   dev_of: dict[str, dict[str, float]], ensemble, report: dict[str, Any],
                   mlflow: MlflowRefs, interrupted: bool,
                   left_out: dict[str, str] | None = None,
-                  told: int = 0) -> SearchSummary:
+                  told: int = 0, rung_decisions: list[dict[str, Any]] = ()) -> SearchSummary:
     """The summary of a finished (or interrupted) search; ``ensemble`` is an
     :class:`~mtbert.tune.results.finalists.EnsembleResult` or None; ``report`` is what
     :func:`~mtbert.tune.results.report.write_report` returned.  ``records`` are this search's
     trials; ``ranked`` may hold an earlier search's too (``--extend``), and
     ``left_out`` the better-ranked ones the ensemble could not take; ``told``: how many
-    earlier trials the searcher was told."""
+    earlier trials the searcher was told; ``rung_decisions``: the promoting scheduler's
+    (:func:`read_rung_decisions`)."""
     exp_dir = settings.location.exp_dir
     searched_keys = list(settings.space.searched)
     counts = count_trials(records, settings.num_samples)
@@ -301,7 +331,8 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
     trials = [TrialRow(r.trial_id, r.name, r.status, r.config, r.best, r.best_checkpoint,
                        r.examples_seen, r.rung_reached, r.error, r.mlflow_run_id,
                        r.best_score if math.isfinite(r.best_score) else None, searched(r),
-                       len(r.history), r.origin, r.examples_trained)
+                       len(r.history), r.origin, r.examples_trained, r.evaluated_at,
+                       list(r.rows_filled), r.rows_missing, ran_in(r))
               for r in records + [r for r in inherited if r.trial_id not in own]]
     space = settings.space
     return SearchSummary(
@@ -316,7 +347,30 @@ def build_summary(settings, records: list[TrialRecord], ranked: list[TrialRecord
         ensemble=ensemble_summary, top_trials=top, trials=trials,
         importances=report["importances"], report_files=report["files"], mlflow=mlflow,
         extends=extension_summary(settings, left_out or {}, told),
-        examples_trained=sum(r.examples_trained for r in records))
+        examples_trained=sum(r.examples_trained for r in records),
+        rung_decisions=list(rung_decisions))
+
+
+def ran_in(record: TrialRecord) -> str:
+    """The precision a trial computed in, from its last report (``train/bf16``)."""
+    reported = [h["train/bf16"] for h in record.history if "train/bf16" in h]
+    return "" if not reported else "bf16" if reported[-1] else "fp32"
+
+
+def read_rung_decisions(path: Path) -> list[dict[str, Any]]:
+    """The decisions a promoting scheduler wrote, one JSON line each ([] where it wrote
+    none; a line cut short by a killed driver is left out)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
 
 
 # ---------------------------------------------------------------------- renderings
@@ -348,6 +402,10 @@ def _markdown(s: SearchSummary) -> str:
         lines += [f"{r['trials_at_once']} trials at once, each {r['cpus_per_trial']:g} CPU and "
                   f"{r['gpus_per_trial']:g} GPU ({r['rule']}); CUDA MPS "
                   f"{r.get('mps') or 'not recorded'}.", ""]
+    ran = [t.precision for t in s.trials if t.precision]
+    if ran:
+        lines += ["Precision: " + ", ".join(f"{ran.count(p)} trials {p}"
+                                            for p in sorted(set(ran))) + ".", ""]
     if s.phases:
         lines += [phases_line(s.phases) + ".", ""]
     lines += ["| trials | completed | stopped early (ASHA) | errored | never started |",
@@ -358,7 +416,7 @@ def _markdown(s: SearchSummary) -> str:
         lines += [f"{RESTORED_LINE.format(n=c.restored)}.", ""]
     if s.examples_trained:
         lines += [TRAINED_LINE.format(n=s.examples_trained) + ".", ""]
-    lines += _extension_lines(s.extends, c.trials)
+    lines += _extension_lines(s.extends, c.trials) + unsent_lines(s.mlflow_unsent)
     lines += ["## Top trials", "", "| rank | trial | status | examples | val overall ± se | sst | "
               "qqp | sts r | params |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, t in enumerate(s.top_trials, 1):
@@ -397,12 +455,72 @@ def _markdown(s: SearchSummary) -> str:
                   + ", ".join(f"{tid} in `{path}`" for tid, path in s.models.items()) + "."]
     elif s.keep_checkpoints == "none":
         lines += ["", "No weights kept (`--keep-checkpoints none`)."]
+    lines += _rung_lines(s.rung_decisions)
+    gaps = [t for t in s.trials if t.rows_missing]
+    if gaps:
+        lines += ["", "Evaluations missing from Ray's result log and from the trial's "
+                  "checkpoints: " + ", ".join(f"{t.trial_id} ({t.rows_missing})" for t in gaps)
+                  + "; their curves have gaps."]
     errors = [t for t in s.trials if t.status == TrialStatus.ERROR]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {t.trial_id}: {t.error}" for t in errors]
     lines += ["", "Report: " + ", ".join(f"`{Path(p).name}`" for p in s.report_files.values()),
               ""]
     return "\n".join(lines)
+
+
+def _rung_lines(decisions: list[dict[str, Any]]) -> list[str]:
+    """summary.md's table of the promoting scheduler's promotions and stops."""
+    shown = [d for d in decisions if d.get("decision") in ("promoted", "stopped")]
+    if not shown:
+        return []
+    lines = ["", "## Rung decisions", "", "| rung | trial | decision | score | compared with |",
+             "| --- | --- | --- | --- | --- |"]
+    for d in shown:
+        compared = ", ".join(f"{t} {_fmt(v)}" for t, v in (d.get("compared") or {}).items()
+                             if t != d["trial_id"])
+        lines.append(f"| {d.get('rung')} | {d['trial_id']} | {d['decision']} | "
+                     f"{_fmt(d.get('value'))} | {compared} |")
+    return lines
+
+
+#: summary.md's section on what had not reached MLflow (``SearchSummary.mlflow_unsent``)
+UNSENT_HEADING = "## Not yet in MLflow"
+
+
+def unsent_lines(unsent: dict[str, Any] | None) -> list[str]:
+    """summary.md's section on the MLflow writes still unsent, and the command that sends
+    them (one paragraph under :data:`UNSENT_HEADING`: :func:`without_unsent` removes it)."""
+    if not unsent:
+        return []
+    runs = ", ".join(f"{run} {n}" for run, n in unsent["runs"].items())
+    return [UNSENT_HEADING, "", f"{counted(unsent['operations'], 'write')} had not reached "
+            f"MLflow when the search ended (by run: {runs}); they wait in the experiment's "
+            f"`mlflow_outbox/`. Send them once the server answers: `{unsent['command']}`.", ""]
+
+
+def without_unsent(markdown: str) -> str:
+    """summary.md once its MLflow writes are all sent: :func:`unsent_lines`' section gone."""
+    lines = markdown.split("\n")
+    if UNSENT_HEADING not in lines:
+        return markdown
+    i = lines.index(UNSENT_HEADING)
+    return "\n".join(lines[:i] + lines[i + 4:])
+
+
+def sent_summary(doc: dict[str, Any], runs: dict[str, str],
+                 ensemble_run_id: str | None) -> dict[str, Any]:
+    """summary.json (as read) once its MLflow writes are all sent: no ``mlflow_unsent``, and
+    the run ids known now (``runs``: trial id -> run id) where it had none."""
+    doc = json.loads(json.dumps(doc))
+    doc["mlflow_unsent"] = None
+    for row in [*doc.get("trials", []), *doc.get("top_trials", []), doc.get("best_trial")]:
+        if isinstance(row, dict) and not row.get("mlflow_run_id"):
+            row["mlflow_run_id"] = runs.get(row.get("trial_id"))
+    refs = doc.get("mlflow")
+    if isinstance(refs, dict) and not refs.get("ensemble_run_id"):
+        refs["ensemble_run_id"] = ensemble_run_id
+    return doc
 
 
 def _marked(trial_id: str, origin: str) -> str:

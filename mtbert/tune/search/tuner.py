@@ -20,6 +20,10 @@ from mtbert.tune.search.choices import SCHEDULERS, scheduler_choice, searcher_ch
 from mtbert.tune.trial.objective import MODE, OBJECTIVE, rung_metric_keys
 
 
+#: the promoting scheduler's decisions, one JSON line each, in the experiment folder
+RUNG_DECISIONS_FILE = "rung_decisions.jsonl"
+
+
 def trial_name(trial) -> str:
     """Trial names and folder names: ``trial_<id>``."""
     return f"trial_{trial.trial_id}"
@@ -99,6 +103,9 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int,
     scheduler = build_scheduler(settings.scheduler, settings.budget, settings.space,
                                 rung_metric_keys(settings.rung_metric), max_concurrent,
                                 settings.num_samples, last_leg_cpus(settings, max_concurrent))
+    if hasattr(scheduler, "decisions_file"):  # (kept through a --resume: Ray pickles it)
+        scheduler.decisions_file = location.exp_dir / RUNG_DECISIONS_FILE
+        scheduler.decisions_file.unlink(missing_ok=True)  # a new search under an old name
     return make_tuner(
         trainable, param_space, name=settings.experiment, storage_path=location.ray_storage,
         num_samples=settings.num_samples,
@@ -109,10 +116,14 @@ def build_tuner(settings, trainable, callbacks: list[Any], max_concurrent: int,
             settings.num_samples, settings.scheduler, settings.budget.grace_period,
             rung_metric_keys(settings.rung_metric), earlier, settings.points),
         scheduler=scheduler, reuse_actors=reuses_actors(settings.scheduler, settings.address),
-        # PBT / PB2 keep every checkpoint while they run: a trial restores another's
-        # latest checkpoint some time after PBT chose it, and by then a top-2 rule can
-        # have deleted it (Ray warns so); --keep-checkpoints prunes them at the end
-        num_to_keep=None if population else 2, max_failures=settings.max_failures,
+        # every checkpoint is kept while the search runs (--keep-checkpoints prunes them
+        # at the end): a checkpoint a top-2 rule deletes can still be the one Ray's newest
+        # experiment snapshot names as a trial's latest (snapshots are up to a second
+        # old), and a --resume after the driver died then cannot restore that trial (seen
+        # in CI: "Could not recover from checkpoint as it does not exist on storage
+        # anymore", three failures, the trial errored); PBT / PB2 restore another trial's
+        # checkpoint some time after choosing it, which such a rule can delete too
+        num_to_keep=None, max_failures=settings.max_failures,
         callbacks=callbacks), scheduler
 
 
@@ -122,9 +133,11 @@ def make_tuner(trainable, param_space: dict, *, name: str, storage_path: str,
                callbacks: list[Any] | None = None, **run_config: Any):
     """The one way a Tuner is made (the driver's, and the benches' that time it): trials
     named ``trial_<id>`` and compared on the objective, each keeping its ``num_to_keep``
-    best checkpoints by it (None: all); ``run_config``: more of Ray's RunConfig
-    (``verbose``, ``stop``)."""
+    best checkpoints by it (None: all), its result logs kept whole when it starts again
+    (result_logs.py); ``run_config``: more of Ray's RunConfig (``verbose``, ``stop``)."""
     from ray import tune
+
+    from mtbert.tune.search.result_logs import result_loggers  # deferred: ray
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
@@ -137,7 +150,7 @@ def make_tuner(trainable, param_space: dict, *, name: str, storage_path: str,
                 num_to_keep=num_to_keep, checkpoint_score_attribute=OBJECTIVE,
                 checkpoint_score_order=MODE),
             failure_config=tune.FailureConfig(max_failures=max_failures),
-            callbacks=callbacks, **run_config))
+            callbacks=[*(callbacks or []), *result_loggers()], **run_config))
 
 
 class InterruptWatch:

@@ -19,6 +19,9 @@ bracket starts at the grace period and every milestone is one of the budget's ru
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Sequence
 
 from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandForBOHB,
@@ -120,9 +123,16 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
     paused at a rung train on to the next one and are judged there.  Its searcher is a
     :class:`~mtbert.tune.search.searchers.RunningTrialsLimiter`: a paused trial frees its place
     and a promoted one takes the place of the trial whose arrival promoted it.  Why each
-    rule, with the measurements: docs/search.md, docs/bench/search_efficiency.md."""
+    rule, with the measurements: docs/search.md, docs/bench/search_efficiency.md.
+
+    Each decision is written down as it is taken (:attr:`decisions`, and one JSON line each
+    in :attr:`decisions_file` where set, which the search's summary reads): a trial
+    ``scored`` at a rung, ``promoted`` from it (with every score of the rung it was
+    compared with), ``stopped``."""
 
     _supports_buffered_results = False  # decisions at every rung, as results arrive
+    #: where each decision is appended as a JSON line (None: kept in memory only)
+    decisions_file: Path | None = None
 
     def __init__(self, budget: Budget, metric: str | Sequence[str], workers: int,
                  num_samples: int, last_leg_cpus: float = 0.0):
@@ -145,6 +155,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         self.scores: list[dict[str, float]] = [{} for _ in self.rungs]  # rung k: id -> score
         self.promoted: list[set[str]] = [set() for _ in self.rungs]
         self._widen: dict[str, float] = {}  # trial id -> CPUs to resume it with
+        self.decisions: list[dict] = []
 
     # ------------------------------------------------------------------ decisions
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
@@ -157,6 +168,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         score = result.get(self.rung_metrics[min(k, len(self.rung_metrics) - 1)])
         self.scores[k][trial.trial_id] = (score if isinstance(score, (int, float))
                                           and score == score else float("-inf"))
+        self._decided("scored", trial.trial_id, k)
         chosen = self._best_promotable(tune_controller, arriving=trial)
         if chosen is not None and chosen[0] is trial:
             self._promote(tune_controller, *chosen, arriving=trial)
@@ -192,7 +204,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
                 return self._resumed(last)
             for t in trials:
                 if t.status == t.PAUSED:
-                    tune_controller.stop_trial(t)
+                    self._stop(tune_controller, t)
         return None
 
     @staticmethod
@@ -258,6 +270,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         trials promoted from a lower rung and still running to the next are stopped, and
         this one is to resume with the CPUs they held where no trial is left to try."""
         self.promoted[k].add(trial.trial_id)
+        self._decided("promoted", trial.trial_id, k, compared=dict(self.scores[k]))
         if trial.status != trial.RUNNING:
             tune_controller.search_alg.searcher.on_unpause(trial.trial_id)
         if self.decided:
@@ -301,7 +314,7 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
             elif t is not arriving and (t.status != t.PAUSED or self._was_promoted(t)):
                 # (paused and promoted from a lower rung, not yet resumed: void now)
                 stopped_pending |= t.status == t.PENDING
-                tune_controller.stop_trial(t)
+                self._stop(tune_controller, t)
         # Ray 2.60's controller keeps a PENDING trial it stops (staged, its actor not yet
         # started) among its staged trials, so its actor cache goes on holding a cached
         # 1-CPU worker for it; a resumed leg that needs that CPU then waits forever.  The
@@ -311,6 +324,25 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         if (cpus > trial_cpus(last) > 0 and not trial_gpus(last) and not stopped_pending
                 and not to_try):
             self._widen[last.trial_id] = cpus
+
+    def _stop(self, tune_controller, trial) -> None:
+        self._decided("stopped", trial.trial_id, self._top_rung(trial.trial_id))
+        tune_controller.stop_trial(trial)
+
+    def _decided(self, decision: str, trial_id: str, k: int, **more: dict) -> None:
+        """Write down a decision about ``trial_id`` at decision rung ``k`` (-1: before the
+        first): the rung's examples, metric and the trial's score there."""
+        at = k >= 0
+        entry = {"decision": decision, "trial_id": trial_id,
+                 "rung": self.rungs[k] if at else None,
+                 "metric": self.rung_metrics[min(k, len(self.rung_metrics) - 1)] if at else None,
+                 "value": _finite(self.scores[k].get(trial_id)) if at else None}
+        if "compared" in more:
+            entry["compared"] = {t: _finite(v) for t, v in more["compared"].items()}
+        self.decisions.append(entry)
+        if self.decisions_file is not None:
+            with open(self.decisions_file, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(entry) + "\n")
 
     def _paused_at(self, trial, k: int) -> bool:
         """Paused at rung ``k`` (its highest)."""
@@ -323,6 +355,11 @@ class PromotingASHA(_OwnMetric, FIFOScheduler):
         """Promoted from the rung it paused at, not yet resumed (when paused)."""
         k = self._top_rung(trial.trial_id)
         return k >= 0 and trial.trial_id in self.promoted[k]
+
+
+def _finite(value: float | None) -> float | None:
+    """A score as JSON keeps it: None where there is none or it is not finite."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def trial_cpus(trial) -> float:
