@@ -13,6 +13,7 @@ machine.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -61,6 +62,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def process_token() -> str:
+    """This process's Ray token (``RAY_AUTH_TOKEN``; made once, 32 random bytes as hex):
+    every cluster a test starts from here, and a Ray this process starts later, use it."""
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return os.environ["RAY_AUTH_TOKEN"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,9 +102,13 @@ class LocalRayCluster:
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.env.update(FAST_FAILURE_ENV, RAY_USAGE_STATS_ENABLED="0",
                         TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        # Ray 2.60 turns token authentication on for new clusters (token in ~/.ray):
-        # say so explicitly to the nodes and drivers, and to this process's GCS client
+        # Ray 2.60 turns token authentication on for new clusters and reads the token from
+        # ~/.ray/auth_token, which a fresh machine lacks: then `ray start --head` refuses to
+        # start and this process's GCS client aborts the process (a failed RAY_CHECK, seen as
+        # a pytest-xdist worker "crashed").  The nodes, drivers and this process's GCS client
+        # share one token of this test process's (RAY_AUTH_TOKEN), whatever ~/.ray holds.
         self.env.setdefault("RAY_AUTH_MODE", "token")
+        self.env.setdefault("RAY_AUTH_TOKEN", process_token())
         self._auth_ready = False
 
     # ------------------------------------------------------------------ nodes
@@ -163,6 +176,7 @@ class LocalRayCluster:
         from ray._raylet import AuthenticationTokenLoader, Config, GcsClient
         if not self._auth_ready:  # Ray may have been imported (config cached) before now
             os.environ["RAY_AUTH_MODE"] = self.env["RAY_AUTH_MODE"]
+            os.environ["RAY_AUTH_TOKEN"] = self.env["RAY_AUTH_TOKEN"]
             Config.initialize("")
             AuthenticationTokenLoader.instance().reset_cache()
             self._auth_ready = True
