@@ -14,11 +14,14 @@
   gradient unprojected.
 
 Implementation: one ordinary ``backward`` per task loss (no second pass): after each
-one the shared gradients are moved out of ``.grad`` into a flat vector, while the
-other parameters keep accumulating, so the cost is that of plain backprop plus the
-projection. Memory: one flat copy of the shared gradient per task plus the sum (for
-MiniLM-L6, ~91 MB each in fp32). The task losses must come from separate forward
-passes (separate graphs), as the trainer produces them.
+one the shared gradients are moved out of ``.grad`` into a row of one ``[T, D]`` tensor,
+while the other parameters keep accumulating.  The projection is then done on the Gram
+matrix of those rows (:func:`projection_weights`: each g_i^PC is a weighted sum of the
+original g_k), and the shared gradient is one weighted sum of the rows, so the D-long
+vectors are read twice in all; the cost is that of plain backprop plus those two passes.
+Memory: the ``[T, D]`` rows plus the sum (for MiniLM-L6, ~91 MB a row in fp32). The task
+losses must come from separate forward passes (separate graphs), as the trainer produces
+them.
 
 Written once for one trial and for N stacked trials (a fused step): with a trial axis
 the shared parameters are ``[N, ...]`` (each trial's gradient in its slice: the trials
@@ -51,57 +54,95 @@ def random_orders(n: int, generator: torch.Generator | None = None) -> list[list
     return orders
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a · b of flat gradients: a number for ``[D]``, one a trial (``[N, 1]``) for ``[N, D]``."""
-    return torch.dot(a, b) if a.dim() == 1 else (a * b).sum(-1, keepdim=True)
+def _stacked(grads: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The flat per-task gradients as one ``[T, D]`` (or ``[T, N, D]``) tensor."""
+    return grads if isinstance(grads, torch.Tensor) else torch.stack(list(grads))
 
 
-def project_conflicting(grads: Sequence[torch.Tensor],
+def _gram(stacked: torch.Tensor) -> torch.Tensor:
+    """Every task pair's g_a · g_b, as ``[N, T, T]`` (N = 1 without a trial axis): one
+    GEMM over ``[T, D]``, one batched matmul a pair over ``[T, N, D]``."""
+    if stacked.dim() == 2:
+        return (stacked @ stacked.T).unsqueeze(0)
+    size = stacked.shape[0]
+    gram = stacked.new_empty(stacked.shape[1], size, size)
+    for a in range(size):
+        for b in range(a, size):
+            dot = torch.bmm(stacked[a].unsqueeze(1), stacked[b].unsqueeze(2)).view(-1)
+            gram[:, a, b] = dot
+            gram[:, b, a] = dot
+    return gram
+
+
+def projection_weights(grads: Sequence[torch.Tensor] | torch.Tensor,
+                       orders: Sequence[Sequence[Other]] | None = None) -> torch.Tensor:
+    """PCGrad's projection as weights on the original gradients: ``A`` ``[N, T, T]`` with
+    g_i^PC = Σ_k A[:, i, k] g_k (N = 1 without a trial axis).
+
+    Each step g ← g − c g_j keeps g^PC a combination of the g_k, so every dot product the
+    projection needs is one of the Gram matrix G_kj = g_k · g_j: g^PC · g_j = Σ_k a_k G_kj
+    and ‖g_j‖² = G_jj (003 eq. 4 with these).  The D-long vectors are read once for G,
+    where projecting them in place reads and writes them at every step.
+    ``grads``, ``orders``: as :func:`project_conflicting` takes them."""
+    stacked = _stacked(grads)
+    size = stacked.shape[0]
+    if orders is None:
+        orders = random_orders(size) if size > 1 else [[]] * size
+    gram = _gram(stacked)
+    trials = gram.shape[0]
+    every = torch.arange(trials, device=gram.device)
+    tasks = torch.arange(size, device=gram.device)
+    weights = torch.eye(size, dtype=gram.dtype, device=gram.device).repeat(trials, 1, 1)
+    for i in range(size):
+        a = weights[:, i, :]  # [N, T]: g_i^PC's weights, updated in place
+        for j in orders[i]:
+            if isinstance(j, int):
+                if j == i:
+                    continue
+                column, squared, one = gram[:, :, j], gram[:, j, j], (tasks == j)
+            else:  # each trial's own j ([N])
+                column, squared = gram[every, :, j], gram[every, j, j]
+                one = tasks == j.unsqueeze(-1)
+            # coefficient min(g·g_j, 0) / ‖g_j‖²: zero unless the two conflict (003 eq. 4)
+            coef = (torch.clamp((a * column).sum(-1), max=0.0)
+                    / torch.clamp(squared, min=_TINY))
+            a -= coef.unsqueeze(-1) * one.to(a.dtype)
+    return weights
+
+
+def _combined(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[:, k] g_k of ``stacked`` ``[T, D]`` (weights ``[1, T]``) or ``[T, N, D]``
+    (weights ``[N, T]``), summed in task order (weights of 1: the plain sum, bit for bit)."""
+    if stacked.dim() == 2:
+        weights = weights[0]
+    else:
+        weights = weights.unsqueeze(-1)
+    total = stacked[0] * weights[0] if stacked.dim() == 2 else stacked[0] * weights[:, 0]
+    for k in range(1, stacked.shape[0]):
+        total.addcmul_(stacked[k], weights[k] if stacked.dim() == 2 else weights[:, k])
+    return total
+
+
+def project_conflicting(grads: Sequence[torch.Tensor] | torch.Tensor,
                         orders: Sequence[Sequence[Other]] | None = None) -> list[torch.Tensor]:
     """PCGrad's projection on flat per-task gradients; returns the projected g_i^PC.
 
-    ``grads[i]``: task i's gradient, ``[D]`` (one trial) or ``[N, D]`` (N trials).
-    ``orders[i]`` lists the tasks j that g_i is projected against, in that order (default:
-    :func:`random_orders`, torch's global RNG): ints, or ``[N]`` long tensors of each
-    trial's j. Pure: the inputs are not modified.
+    ``grads[i]``: task i's gradient, ``[D]`` (one trial) or ``[N, D]`` (N trials); or all
+    of them stacked.  ``orders[i]`` lists the tasks j that g_i is projected against, in that
+    order (default: :func:`random_orders`, torch's global RNG): ints, or ``[N]`` long
+    tensors of each trial's j. Pure: the inputs are not modified.
     """
-    n = len(grads)
-    if orders is None:
-        orders = random_orders(n) if n > 1 else [[]] * n
-    squared = [_dot(g, g) for g in grads]
-    if any(isinstance(j, torch.Tensor) for order in orders for j in order):
-        every = torch.arange(grads[0].shape[0], device=grads[0].device)
-        stacked, stacked_squared = torch.stack(list(grads)), torch.stack(squared)
-
-        def pick(j: Other):  # each trial's g_j and ‖g_j‖²
-            if isinstance(j, torch.Tensor):
-                return stacked[j, every], stacked_squared[j, every]
-            return grads[j], squared[j]
-    else:
-        def pick(j: Other):
-            return grads[j], squared[j]
-    out = []
-    for i in range(n):
-        g = grads[i]
-        for j in orders[i]:
-            if isinstance(j, int) and j == i:
-                continue
-            other, other_squared = pick(j)
-            # coefficient min(g·g_j, 0) / ‖g_j‖²: zero unless the two conflict (003 eq. 4)
-            coef = torch.clamp(_dot(g, other), max=0.0) / torch.clamp(other_squared, min=_TINY)
-            g = g - coef * other
-        out.append(g)
-    return out
+    stacked = _stacked(grads)
+    weights = projection_weights(stacked, orders)
+    return [_combined(stacked, weights[:, i, :]) for i in range(stacked.shape[0])]
 
 
-def pcgrad(grads: Sequence[torch.Tensor],
+def pcgrad(grads: Sequence[torch.Tensor] | torch.Tensor,
            orders: Sequence[Sequence[Other]] | None = None) -> torch.Tensor:
-    """Σ_i g_i^PC: the combined shared gradient (``[D]``, or ``[N, D]``)."""
-    projected = project_conflicting(grads, orders)
-    total = projected[0]
-    for g in projected[1:]:
-        total = total + g
-    return total
+    """Σ_i g_i^PC: the combined shared gradient (``[D]``, or ``[N, D]``), as one weighted
+    sum of the original gradients (:func:`projection_weights`, summed over i)."""
+    stacked = _stacked(grads)
+    return _combined(stacked, projection_weights(stacked, orders).sum(1))
 
 
 def trial_orders(tasks: list[str], trial_tasks: list[list[str] | None], draw,
@@ -152,11 +193,11 @@ class SumGradients(GradientCombiner):
         total.backward()
 
 
-def _take_grads(params: list[torch.Tensor], touched: list[bool],
+def _take_grads(params: list[torch.Tensor], touched: list[bool], out: torch.Tensor,
                 trials: int | None = None) -> torch.Tensor:
-    """Concatenate the params' ``.grad`` (zeros where None) and clear them: ``[D]``, or with
-    ``trials`` (stacked ``[N, ...]`` params) ``[N, D]``, the gradients then zeroed in place
-    (they stay the tensors a fused optimizer holds) rather than dropped."""
+    """Concatenate the params' ``.grad`` (zeros where None) into ``out`` and clear them:
+    ``[D]``, or with ``trials`` (stacked ``[N, ...]`` params) ``[N, D]``, the gradients then
+    zeroed in place (they stay the tensors a fused optimizer holds) rather than dropped."""
     parts = []
     for k, p in enumerate(params):
         if p.grad is None:
@@ -167,10 +208,10 @@ def _take_grads(params: list[torch.Tensor], touched: list[bool],
             parts.append(p.grad.reshape(-1) if trials is None else p.grad.reshape(trials, -1))
             if trials is None:
                 p.grad = None
-    flat = torch.cat(parts, dim=-1)
+    torch.cat(parts, dim=-1, out=out)
     if trials is not None:
         torch._foreach_zero_([p.grad for p in params if p.grad is not None])
-    return flat
+    return out
 
 
 def pcgrad_backward(losses: dict[str, torch.Tensor], shared: list[torch.Tensor],
@@ -188,14 +229,18 @@ def pcgrad_backward(losses: dict[str, torch.Tensor], shared: list[torch.Tensor],
         for p in shared:
             p.grad = None
     touched = [False] * len(shared)
-    flats = []
-    for loss in losses.values():
+    size = sum(p.numel() for p in shared) // (trials or 1)
+    first = shared[0]
+    # the tasks' flat gradients, stacked as they are taken: [T, D] or [T, N, D]
+    flats = torch.empty((len(losses), *(() if trials is None else (trials,)), size),
+                        dtype=first.dtype, device=first.device)
+    for k, loss in enumerate(losses.values()):
         loss.backward()
-        flats.append(_take_grads(shared, touched, trials))
+        _take_grads(shared, touched, flats[k], trials)
     total = pcgrad(flats, orders)
     if extra is not None:
         extra.backward()
-        total = total + _take_grads(shared, touched, trials)
+        total += _take_grads(shared, touched, torch.empty_like(total), trials)
     if trials is not None:
         for p, g in zip(shared, total.split([p[0].numel() for p in shared], -1)):
             if p.grad is None:
