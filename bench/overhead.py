@@ -1,15 +1,9 @@
-"""What a search costs (docs/bench/overhead.md): where a search's time goes, per trial and
-on the machine, or what a finished search trained per second and how busy its GPU was.
-
-A run: one real search (the driver in-process, a local Ray, MLflow in SQLite under
-``--out``) while a thread samples every process's CPU time; per trial, from Ray's task
-table and the trial's timers, ``launch`` (actor requested -> trial entered), ``startup``
-(-> Trainer ready), ``train``, ``eval``, ``ckpt`` (the training thread's share of
-checkpoints and reports) and ``rest``; per checkpoint, bytes and seconds; the machine's
-CPU by trials, Ray, the driver and the rest.  A finished search (``--summary``): the
-examples its trials trained over Tune's loop and the wall (MFU with ``--throughput``, a
-step bench JSON of the same GPU) and each GPU's busy share within the loop from
-nvidia-smi's CSV (which counts a sample busy when any kernel ran).
+"""What a search costs (docs/bench/overhead.md says how each figure is taken): where a
+search's time goes, per trial (launch, startup, train, eval, ckpt, rest), per checkpoint
+and on the machine, measured on one real search (the driver in-process, a local Ray,
+MLflow in SQLite under ``--out``); or (``--summary``) what a finished search trained per
+second, its MFU and how busy each GPU was (nvidia-smi's CSV: a sample is busy when any
+kernel ran).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """What an early rung knows: do the scores at ASHA's rungs rank report 004's grid as the
 full-budget trainings do?  (docs/bench/search_efficiency.md has its table.)
 
-The grid's 10 configurations per seed, on bench/search_efficiency.py's settings and ASHA
-rungs, trained past the second rung and ranked at each by every score against their
-full-budget val overall (the same seed's grid run in ``--runs``: the CPU trainings are
-deterministic); Spearman's rho per seed and rung, the scores in ``OUT/rung_signal.json``.
+The grid's configurations per seed, on bench/search_efficiency.py's settings, trained
+past the second rung; Spearman's rho of every score at each rung against the same seed's
+full-budget val overall (``--runs``), with the scores, in ``OUT/rung_signal.json``.
 """
 
 from __future__ import annotations

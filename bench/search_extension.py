@@ -1,12 +1,9 @@
 """Growing a finished search (the driver's ``--extend``) against one search of twice the size.
 
-On bench/search_efficiency.py's slice with one method (default: the driver's pair), per
-seed: A, a search of N trials; B, its extension, N more trials whose searcher is told A's
-as ``--extend`` tells it; C, one search of 2N from scratch.  Figures per seed and over the
-seeds (A + B against C: best val, the selected dev, examples, wall, no old trial
-re-trained) and the target (A + B's best val within one se of C's, per seed and on the
-mean): docs/bench/search_extension.md.  Runs are kept in ``OUT/runs.json``; writes
-``DOCS/search_extension.json``.
+On bench/search_efficiency.py's slice, per seed: A, a search of N trials; B, its
+extension, told A's trials as ``--extend`` tells them; C, one search of 2N from scratch
+(docs/bench/search_extension.md has the figures and the target).  Runs are kept in
+``OUT/runs.json``; writes ``DOCS/search_extension.json``.
 """
 
 from __future__ import annotations
