@@ -1,9 +1,6 @@
-"""The Python side of ``bench/gpu_evidence.sh`` (the GPU evidence in one run; see
-docs/bench/fused.md): what it checks before anything runs, the tiny model of its dry run,
-the attention probe (step 1a: the fused step's SDPA under ``vmap`` on CUDA, forward and
-backward, against a loop and a float64 reference; exit 1 beyond bf16 rounding), and the
-one JSON file and table that gather every step's figures (``python -m bench.gpu_evidence
---help`` lists its subcommands).
+"""The Python side of ``bench/gpu_evidence.sh`` (docs/bench/fused.md): its check of the
+inputs, the dry run's tiny model, the attention probe (step 1a; exit 1 beyond bf16
+rounding) and the evidence file and its table (``--help`` lists the subcommands).
 """
 
 from __future__ import annotations

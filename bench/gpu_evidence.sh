@@ -1,25 +1,17 @@
 #!/usr/bin/env bash
-# The GPU evidence in one run (docs/bench/fused.md#the-gpu-evidence-in-one-run):
+# The GPU evidence in one run (docs/bench/fused.md#the-gpu-evidence-in-one-run has what each
+# step measures, its limit and the files written):
 #
 #   bash bench/gpu_evidence.sh [--dry-run] [--steps 1-6] [--budget-s 520] [--mpnet DIR]
 #        MODEL_DIR DATA_DIR OUT_DIR
 #
-# MODEL_DIR: a transformers model folder (MiniLM; its tokenizer serves the CUDA tests'
-# tiny models); DATA_DIR: the CS 224N files; OUT_DIR gets evidence.json (every step's
-# outcome and raw figures), evidence.log, evidence.md (the table) and gpu_util.csv
-# (nvidia-smi every second).  It checks its inputs (one line naming what is missing,
-# exit 2), then runs the steps in order, each under its own time limit, all within
-# --budget-s (520 s; 1500 for a dry run); a step with too little time left is skipped:
-#   1  the attention probe (vmapped bf16 SDPA with per-trial padding masks against a loop,
-#      forward and backward), then pytest -m cuda tests/test_fused.py; a failure stops it
-#   2  the fused layer alone, N = 1-32     3  fused plain batch 32, N = 1-32; unfused 1, 8
-#   4  SMART batch 16, fused N = 8, 16     5  the full smart search, --fuse on then off
-#   6  the peers' full rows (python -m bench.peers --budget full)
-#   7  with --mpnet DIR: a 3-epoch training of that model, then a full smart search with it
-# (--steps: 1-6 by default, 7 with --mpnet.)  --dry-run: steps 1-4 (and 7a on 64 examples)
-# on the CPU with a tiny random BERT built from MODEL_DIR's tokenizer, N in {1, 2}, a few
-# steps; the searches (5, 6, 7b) when --steps names them, at the smoke budget.  Exit 0
-# when every step that ran passed, 1 when one failed or timed out, 2 on missing inputs.
+# Steps: 1 the attention probe, then the CUDA tests (a failure stops the run); 2 the fused
+# layer alone; 3 fused plain batch 32; 4 SMART batch 16; 5 the full smart search, --fuse on
+# then off; 6 the peers' full rows; 7 with --mpnet DIR, a 3-epoch training of that model,
+# then a full smart search with it.  --steps: 1-6 by default, 7 with --mpnet; all within
+# --budget-s (520 s; 1500 for a dry run).  --dry-run: steps 1-4 (and 7a) on the CPU with a
+# tiny random BERT from MODEL_DIR's tokenizer.  Exit 0 when every step that ran passed, 1
+# when one failed or timed out, 2 on missing inputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -32,7 +24,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=${2:-}; explicit=1; shift ;;
     --budget-s) budget=${2:-}; shift ;;
     --mpnet) mpnet=${2:-}; shift ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $1; $usage" >&2; exit 2 ;;
     *) positional+=("$1") ;;
   esac

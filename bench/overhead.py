@@ -1,15 +1,9 @@
-"""What a search costs (docs/bench/overhead.md): where a search's time goes, per trial and
-on the machine, or what a finished search trained per second and how busy its GPU was.
-
-A run: one real search (the driver in-process, a local Ray, MLflow in SQLite under
-``--out``) while a thread samples every process's CPU time; per trial, from Ray's task
-table and the trial's timers, ``launch`` (actor requested -> trial entered), ``startup``
-(-> Trainer ready), ``train``, ``eval``, ``ckpt`` (the training thread's share of
-checkpoints and reports) and ``rest``; per checkpoint, bytes and seconds; the machine's
-CPU by trials, Ray, the driver and the rest.  A finished search (``--summary``): the
-examples its trials trained over Tune's loop and the wall (MFU with ``--throughput``, a
-step bench JSON of the same GPU) and each GPU's busy share within the loop from
-nvidia-smi's CSV (which counts a sample busy when any kernel ran).
+"""What a search costs (docs/bench/overhead.md says how each figure is taken): where a
+search's time goes, per trial (launch, startup, train, eval, ckpt, rest), per checkpoint
+and on the machine, measured on one real search (the driver in-process, a local Ray,
+MLflow in SQLite under ``--out``); or (``--summary``) what a finished search trained per
+second, its MFU and how busy each GPU was (nvidia-smi's CSV: a sample is busy when any
+kernel ran).
 """
 
 from __future__ import annotations
@@ -109,19 +103,6 @@ def checkpoint_figures(row: dict) -> dict:
             "write_s": per(row["checkpoint_write_s"], written),
             "report_s": per(row["report_s"], earlier), "stall_s": stall,
             "stall_share_at_gpu_speed": (stall * written / gpu_train_s if gpu_train_s else None)}
-
-
-def print_checkpoint_table(rows: list[dict]) -> None:
-    print("\nper checkpoint (MiB written, seconds writing [background], per report "
-          "[background: Ray's copy + driver], training-thread stall per report; share = "
-          "stall x checkpoints / training time at 5,000 ex/s, projected from these figures):")
-    cols = ("checkpoints", "mib", "write_s", "report_s", "stall_s", "stall_share_at_gpu_speed")
-    names = ("checkpoints", "MiB", "write s", "report s", "stall s", "stall/gpu-train")
-    print(f"{'trial':<28}" + "".join(f"{c:>16}" for c in names))
-    fmt = lambda v: f"{'-':>16}" if v is None else f"{v:>16.3f}"  # noqa: E731
-    for r in rows:
-        f = r["per_checkpoint"]
-        print(f"{r['trial'][:27]:<28}{f['checkpoints']:>16}" + "".join(fmt(f[c]) for c in cols[1:]))
 
 
 def cpu_breakdown(meter: CpuMeter, cpus: int, trial_pids: set[int], start: float,
@@ -269,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "overhead"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: the tables again from OUT/overhead.json's run")
+                   help="run nothing: the figures again from OUT/overhead.json's run")
     args = p.parse_args(argv)
     if args.summary:
         return finished_search(args)
@@ -311,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(out: Path, run: dict, sampled: tuple[CpuMeter, int] | None = None) -> int:
-    """A run's tables (its experiment folder, the trial actors' times Ray gave and, from
-    ``sampled`` (the meter, the CPUs), the machine's CPU) into ``OUT/overhead.json`` and
-    printed; ``--report-only`` computes them again from the ``overhead.json`` kept."""
+    """A run's figures (its experiment folder, the trial actors' times Ray gave and, from
+    ``sampled`` (the meter, the CPUs), the machine's CPU) into ``OUT/overhead.json``;
+    ``--report-only`` computes them again from the ``overhead.json`` kept."""
     actors = {int(pid): a for pid, a in run["actors"].items()}
     rows = trial_table(trial_results(Path(run["experiment_dir"])), actors)
     if not rows:
@@ -333,28 +314,13 @@ def write_report(out: Path, run: dict, sampled: tuple[CpuMeter, int] | None = No
         "share_per_trial_median": statistics.median(r["share"] for r in rows),
         "share_per_trial_min": min(r["share"] for r in rows)}
     (out / "overhead.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-
-    print(f"\nper trial (seconds; share = (train + eval) / wall), {len(rows)} trials:")
-    print(f"{'trial':<28}{'examples':>9}" + "".join(f"{c[:-2]:>9}" for c in cols)
-          + f"{'share':>8}")
-    for r in rows + [{"trial": "all trials", "examples": sum(r["examples"] for r in rows),
-                      **total, "share": summary["share_train_eval"]}]:
-        print(f"{r['trial'][:27]:<28}{int(r['examples']):>9}"
-              + "".join(f"{r[c]:>9.1f}" for c in cols) + f"{100 * r['share']:>7.1f}%")
-    print(f"median trial share {100 * summary['share_per_trial_median']:.1f}% "
-          f"(min {100 * summary['share_per_trial_min']:.1f}%; target >= 90%)")
-    print_checkpoint_table(rows)
     cpu = run.get("cpu")
-    if cpu:
-        g, cpus = cpu["cpu_s"], cpu["cpus"]
-        print(f"\nmachine CPU over the search phase ({cpu['search_wall_s']:.0f} s x {cpus} "
-              f"CPUs = {cpus * cpu['search_wall_s']:.0f} CPU-s): trials {g['trials']:.0f} "
-              f"({100 * cpu['trial_share_of_search_capacity']:.1f}%), driver "
-              f"{g['driver']:.0f}, Ray processes {g['ray_system']:.0f}, other "
-              f"{g['other']:.0f}; whole command {run['command_wall_s']:.0f} s, trials "
-              f"{100 * cpu['trial_share_of_run_capacity']:.1f}% of its "
-              f"{cpus * cpu['sampled_wall_s']:.0f} CPU-s")
-    print(f"[bench] wrote {out / 'overhead.json'}")
+    print(f"{len(rows)} trials: (train + eval) / wall {summary['share_train_eval']:.1%} "
+          f"(median trial {summary['share_per_trial_median']:.1%}, min "
+          f"{summary['share_per_trial_min']:.1%}; target >= 90%)" + (
+              f"; trials' CPU over the search phase {cpu['trial_share_of_search_capacity']:.1%}"
+              " of the machine's" if cpu else ""))
+    print(f"[bench] wrote {out / 'overhead.json'} (per trial, per checkpoint, the machine's CPU)")
     return 0
 
 

@@ -1,9 +1,6 @@
 """The ``transformers.Trainer.hyperparameter_search`` peers of ``bench/peers.py`` (backends
 ray and optuna), written as a user of the HF Trainer would write them for the project's
-MultitaskModel: a mixed-task dataset and collator, a ``compute_loss`` summing the
-project's task losses, ``model_init`` from the trial's TrainConfig, ``evaluate`` with
-the project's evaluation code at the budget's points.  docs/bench/peers.md says how each
-is written, where it cannot do what the project does, and what it picks.
+MultitaskModel (docs/bench/peers.md says how, and where they cannot do what it does).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """What the methods of ``bench/peers.py`` share: the search problem, read through the
-project's own command line and loader (:func:`load_problem`), and the checks that every
-method saw it alike: the rows' digests, the space as the project's YAML writes it, the
-same draws, a configuration as one comparable string; a model scored with the project's
-evaluation code; the CPU seconds of a process tree.
+project's own command line and loader (:func:`load_problem`), the checks that every
+method saw it alike, and a model scored with the project's evaluation code.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The search side by side with what a user would pick instead: ``tune_driver.py`` against
 ``transformers.Trainer.hyperparameter_search`` (backends ray and optuna) and a plain Ray
-Tune script, the same search problem for each, over seeds (docs/bench/peers.md).
-
-Every method gets the problem ``tune_driver.py`` resolves for these arguments
-(bench/peer_problem.py) and the same trial slots; each (method, seed) runs in a process
-of its own, timed with the CPU seconds of its process tree; its pick is scored here on
-the same val and dev rows.  ``--same-draws``: every method tries one seeded list of
-configurations; the figures then pair each peer with the project over the seeds
-(:func:`paired`).  Runs are kept in ``OUT/runs.json`` and written with the figures to
-``--json``.
+Tune script, the same search problem for each, over seeds (docs/bench/peers.md says how
+each runs and what is compared).  Each (method, seed) runs in a process of its own;
+runs are kept in ``OUT/runs.json`` and written with the figures to ``--json``.
 """
 
 from __future__ import annotations

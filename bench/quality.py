@@ -1,10 +1,6 @@
 """Quality of a finished search on the *whole* validation split and dev files, beside the
-zero-shot MiniLM baseline and the published reports (docs/bench/quality.md).
-
-The best trial's and the ensemble members' kept models re-scored on every val and dev
-row, the search's ensemble rebuilt from those predictions; the zero-shot baseline
-(mean-pooled MiniLM: STS the cosine, QQP the cosine above the cut fitted on val, SST the
-majority class); report 004's dev figures.  Writes ``quality.json``, prints the table.
+zero-shot MiniLM baseline and the published reports (docs/bench/quality.md says how each
+row is scored).  Writes ``quality.json``, prints the table.
 """
 
 from __future__ import annotations

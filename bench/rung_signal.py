@@ -1,10 +1,9 @@
 """What an early rung knows: do the scores at ASHA's rungs rank report 004's grid as the
 full-budget trainings do?  (docs/bench/search_efficiency.md has its table.)
 
-The grid's 10 configurations per seed, on bench/search_efficiency.py's settings and ASHA
-rungs, trained past the second rung and ranked at each by every score against their
-full-budget val overall (the same seed's grid run in ``--runs``: the CPU trainings are
-deterministic); Spearman's rho per seed and rung, the scores in ``OUT/rung_signal.json``.
+The grid's configurations per seed, on bench/search_efficiency.py's settings, trained
+past the second rung; Spearman's rho of every score at each rung against the same seed's
+full-budget val overall (``--runs``), with the scores, in ``OUT/rung_signal.json``.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import sys
 from pathlib import Path
 
 from bench.search_efficiency import build_parser, parse_args
-from bench.search_runs import (DEFAULT_METHOD, DROPOUTS, LAMBDAS, METHODS, bench_budget,
-                               bench_ray, grid_space)
+from bench.search_runs import DEFAULT_METHOD, METHODS, bench_budget, bench_ray, grid_space
 
 #: the scores compared: the objective, its soft stand-in and their parts
 SCORES = ("val/overall", "val/overall_soft", "val/sst_acc", "val/sst_p_gold", "val/qqp_acc",
@@ -86,12 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rung_signal.json").write_text(json.dumps({"rows": rows, "rho": table}, indent=1))
-    print(f"\nSpearman rho with the full-budget val overall ({len(DROPOUTS) * len(LAMBDAS)}"
-          " configurations per seed)")
-    print(f"{'seed':>4} {'examples':>8} " + " ".join(f"{k[4:]:>13}" for k in SCORES))
-    for t in table:
-        print(f"{t['seed']:>4} {t['examples']:>8} "
-              + " ".join(f"{t['rho'][k]:>13.2f}" for k in SCORES))
+    print(f"[bench] Spearman's rho per seed and rung, and the scores: {out / 'rung_signal.json'}")
     return 0
 
 

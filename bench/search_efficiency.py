@@ -7,7 +7,7 @@ compute every trial spent up to each report and the best score so far (:func:`cu
 each (method, seed) against the same seed's grid (:func:`seed_figures`), their mean +- sd
 over the seeds (:func:`summarise`), the targets, the ranking of the candidates for the
 driver's default (:func:`rank_methods`), what decides the grid (:func:`grid_analysis`),
-printed and written to ``DOCS/search_efficiency.json``, ``.md`` and ``.png``
+written to ``DOCS/search_efficiency.json``, ``.md`` and ``.png``
 (docs/bench/search_efficiency.md says what they are).
 """
 
@@ -354,40 +354,11 @@ def write_figures(args, runs: dict, docs: Path) -> None:
     first_rungs = {name: {seed: first_rung_spread(run) for seed, run in sorted(by_seed.items())}
                    for name, by_seed in runs.items() if name != "grid"}
     first_rungs.update({name: c["first_rung"] for name, c in carried.items()})
-    if analysis:
-        rhos = ", ".join(f"{r['rho']:.2f}" for r in analysis["spearman_between_seeds"])
-        by_d = ", ".join(f"{d}: {v:.3f}" for d, v in analysis["mean_val_by_dropout"].items())
-        print(f"\ngrid over seeds {analysis['seeds']}: Spearman between seeds {rhos}; mean val "
-              f"by dropout {by_d}; lambda 5 - 1: mean {analysis['lambda_effect']['mean']:+.4f}"
-              f", max |.| {analysis['lambda_effect']['max_abs']:.4f}; ANOVA over configurations"
-              f" F {analysis['anova_configs']['F']:.1f}, p {analysis['anova_configs']['p']:.1g};"
-              f" residual sd {analysis['residual_sd']:.4f}")
-        ceiling = analysis["reach_ceiling"]
-        print("a search that trains the grid's best configuration k times reaches the grid's"
-              " best with chance " + ", ".join(
-                  f"k={k}: {p:.2f} per seed, {ceiling['every_seed'][k]:.3f} in all "
-                  f"{len(analysis['seeds'])}" for k, p in ceiling["per_seed"].items()))
-    for name, by_seed in first_rungs.items():
-        for seed, f in by_seed.items():
-            if f:
-                print(f"{name} seed {seed}: first evaluation at {f['examples']:.0f} examples, "
-                      f"scores spread {f['spread']:.4f} (a trial's se at its best "
-                      f"evaluation, median: {f['val_se'] or float('nan'):.4f})"
-                      + (f"; overall_soft spread {f['soft_spread']:.4f}"
-                         if "soft_spread" in f else ""))
     ranking = rank_methods(summary)
     tables = markdown_tables(summary, ranking)
-    print("\n" + tables)
-    if ranking:
-        print("\ncandidates for the default (targets met per seed, of "
-              f"{len(TARGETS)}; selected dev; examples), best first:")
-        for r in ranking:
-            print(f"  {r['method']:<16} {r['targets_met_per_seed']} mean "
-                  f"{r['targets_met_mean']:.2f}  dev {r['selected_dev_mean'] or float('nan'):.4f}"
-                  f"  examples {r['examples_mean'] or float('nan'):,.0f}")
-        if ranking[0]["method"] != DEFAULT_METHOD:
-            print(f"[bench] the measured best is {ranking[0]['method']}, not the driver's "
-                  f"default {DEFAULT_METHOD}")
+    if ranking and ranking[0]["method"] != DEFAULT_METHOD:
+        print(f"[bench] the measured best is {ranking[0]['method']}, not the driver's "
+              f"default {DEFAULT_METHOD}")
     default = summary.get(DEFAULT_METHOD, {})
     result = {
         "commands": sorted({r.get("command", "?") for by_seed in runs.values()
@@ -421,8 +392,9 @@ def write_figures(args, runs: dict, docs: Path) -> None:
               for name, by_seed in runs.items()}  # what the plot draws, beside runs.json
     (Path(args.out) / "curves.json").write_text(json.dumps(curves), encoding="utf-8")
     (docs / "search_efficiency.md").write_text(tables, encoding="utf-8")
-    print(f"[bench] wrote {docs / 'search_efficiency.json'}, .md (the tables) and .png; the "
-          f"curves in {Path(args.out) / 'curves.json'}")
+    print(f"[bench] wrote {docs / 'search_efficiency.json'} (the figures, ranking, grid "
+          f"analysis and first-rung spreads), .md (the tables) and .png; the curves in "
+          f"{Path(args.out) / 'curves.json'}")
 
 
 # ---------------------------------------------------------------------- the command line

@@ -1,12 +1,9 @@
 """Growing a finished search (the driver's ``--extend``) against one search of twice the size.
 
-On bench/search_efficiency.py's slice with one method (default: the driver's pair), per
-seed: A, a search of N trials; B, its extension, N more trials whose searcher is told A's
-as ``--extend`` tells it; C, one search of 2N from scratch.  Figures per seed and over the
-seeds (A + B against C: best val, the selected dev, examples, wall, no old trial
-re-trained) and the target (A + B's best val within one se of C's, per seed and on the
-mean): docs/bench/search_extension.md.  Runs are kept in ``OUT/runs.json``; writes
-``DOCS/search_extension.json``.
+On bench/search_efficiency.py's slice, per seed: A, a search of N trials; B, its
+extension, told A's trials as ``--extend`` tells them; C, one search of 2N from scratch
+(docs/bench/search_extension.md has the figures and the target).  Runs are kept in
+``OUT/runs.json``; writes ``DOCS/search_extension.json``.
 """
 
 from __future__ import annotations
@@ -203,68 +200,26 @@ def figures(runs: dict, trials: int) -> dict:
 
 
 # ---------------------------------------------------------------------- the report
-def _pm(s: dict, digits: int = 4) -> str:
-    return "-" if s["mean"] is None else f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f}"
-
-
-def _cell(value, width: int, spec: str = "") -> str:
-    """A table cell: ``value`` formatted, '-' where there is none (a failed search)."""
-    return f"{'-' if value is None else format(value, spec):>{width}}"
-
-
-#: the per-seed table: (heading, figure, width, format)
-COLUMNS = (("seed", "seed", 4, "d"), ("best val A+B", "best_val", 12, ".4f"),
-           ("C", "cold_best_val", 7, ".4f"), ("diff", "best_val_diff", 8, "+.4f"),
-           ("C se", "cold_best_val_se", 6, ".4f"), ("dev A+B", "selected_dev", 8, ".4f"),
-           ("from", "selected_from", 9, "s"), ("C dev", "cold_selected_dev", 7, ".4f"),
-           ("ex. A", "examples_first", 6, "d"), ("ex. B", "examples_extension", 6, "d"),
-           ("ex. C", "cold_examples", 6, "d"), ("wall A+B", "wall_s", 8, ".0f"),
-           ("C", "cold_wall_s", 6, ".0f"), ("B trials", "extension_trials", 8, "d"),
-           ("repeats", "repeated_configs", 7, "d"))
-
-
-def print_table(fig: dict) -> None:
-    print("\n" + " ".join(f"{h:>{w}}" for h, _, w, _ in COLUMNS) + "  <=1se")
-    for f in fig["per_seed"]:
-        print(" ".join(_cell(f[k], w, spec) for _, k, w, spec in COLUMNS)
-              + f"  {'yes' if f['within_one_se'] else 'no'}")
-    if not fig["per_seed"]:
-        return
-    s = fig["summary"]
-    print(f"mean ± sd: best val A+B {_pm(s['best_val'])}, C {_pm(s['cold_best_val'])}, "
-          f"diff {_pm(s['best_val_diff'])}; selected dev A+B {_pm(s['selected_dev'])}, "
-          f"C {_pm(s['cold_selected_dev'])}; examples A+B {_pm(s['examples'], 0)}, "
-          f"C {_pm(s['cold_examples'], 0)}; wall A+B {_pm(s['wall_s'], 0)} s, "
-          f"C {_pm(s['cold_wall_s'], 0)} s")
-    t = s["target"]
-    se = "n/a" if t["se_of_diffs"] is None else f"{t['se_of_diffs']:.4f}"
-    mean = {True: "met", False: "missed", None: "n/a"}[t["mean_met"]]
-    print(f"target (A+B best val >= C's - one se): per seed {t['per_seed_within_one_se']} "
-          f"-> {'met' if t['per_seed_met'] else 'missed'} (this decides); mean diff "
-          f"{_cell(t['mean_diff'], 0, '+.4f')} against the se of the differences {se} -> {mean}; "
-          f"no example re-trains an old trial: {s['no_retraining']}")
-
-
-def write_figures(args, runs: dict, docs: Path | None) -> dict:
+def write_figures(args, runs: dict, docs: Path) -> None:
     fig = figures(runs, args.trials)
-    print_table(fig)
-    if docs is not None:
-        kept = [runs[r][s] for s in fig["seeds"] for r in ROLES]
-        doc = {"method": args.method, "label": METHODS[args.method].label,
-               "settings": {k: getattr(args, k) for k in SAME},
-               "commands": sorted({r["command"] for r in kept}),
-               "commits": sorted({str(r.get("commit")) for r in kept}),
-               "machines": [dict(t) for t in {tuple(sorted(r["machine"].items()))
-                                              for r in kept}],
-               "runs": [{"seed": r["seed"], "role": r["role"], "started": time.strftime(
-                   "%Y-%m-%d %H:%M:%S", time.localtime(r["started"])), "wall_s": r["wall_s"],
-                   "load_avg": r.get("load_avg"), "told": r.get("told")} for r in kept],
-               **fig}
-        docs.mkdir(parents=True, exist_ok=True)
-        (docs / "search_extension.json").write_text(json.dumps(doc, indent=1) + "\n",
-                                                    encoding="utf-8")
-        print(f"[bench] figures in {docs / 'search_extension.json'}", flush=True)
-    return fig
+    kept = [runs[r][seed] for seed in fig["seeds"] for r in ROLES]
+    doc = {"method": args.method, "label": METHODS[args.method].label,
+           "settings": {k: getattr(args, k) for k in SAME},
+           "commands": sorted({r["command"] for r in kept}),
+           "commits": sorted({str(r.get("commit")) for r in kept}),
+           "machines": [dict(t) for t in {tuple(sorted(r["machine"].items())) for r in kept}],
+           "runs": [{"seed": r["seed"], "role": r["role"], "started": time.strftime(
+               "%Y-%m-%d %H:%M:%S", time.localtime(r["started"])), "wall_s": r["wall_s"],
+               "load_avg": r.get("load_avg"), "told": r.get("told")} for r in kept],
+           **fig}
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "search_extension.json").write_text(json.dumps(doc, indent=1) + "\n",
+                                                encoding="utf-8")
+    summary = fig["summary"]
+    print(f"[bench] seeds {fig['seeds']}: target (A+B's best val >= C's - one se) per seed "
+          f"{summary['target']['per_seed_within_one_se']}; no example re-trains an old "
+          f"trial: {summary['no_retraining']}; the figures in {docs / 'search_extension.json'}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

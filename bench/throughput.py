@@ -2,31 +2,26 @@
 number of trials N and technique, on the real data -- examples/s, useful GFLOP/s and MFU,
 ms per step (wall, host, GPU busy), ops per step, executed / real tokens, memory.
 
-Modes (``--mode``; docs/bench/throughput.md, fused.md, techniques.md and training.md):
+Modes (``--mode``; the figures: docs/bench/throughput.md, fused.md, techniques.md):
 ``trainer`` (default), N solo trainers in fresh processes started together, each step
-drawn inside the timed window (start-up, warm-up, steady steps, validation rows/s, on
-CUDA host synchronisations and step graphs); ``fused``, N trials fused in one process
-against the same N unfused, the steps drawn first, trained ``--warmup`` more times, then
-once more, timed; ``techniques``, each ``--technique`` alone in a process (memory, ops),
-then all in one, in turn on the same batches; ``layer``, one BERT layer fused over N
-(``vmap``) against N layers in turn; ``tasks``, the optimizer step alone per task against
-transformers' ``Trainer`` (CPU); ``tokens``, executed / real tokens of N trials drawing
-together, no model.  MFU = useful FLOPs/s (6·N·T for the dense weights plus attention's
-12·L·H·Σ s², real tokens only) over the measured matmul peak (fp32 on the CPU, bf16 on a
-GPU).
+drawn inside the timed window; ``fused``, N trials fused in one process against the same
+N unfused, the steps drawn first, trained ``--warmup`` more times, then once more, timed;
+``techniques``, each ``--technique`` alone in a process (memory, ops), then all in one,
+in turn on the same batches; ``layer``, one BERT layer fused over N (``vmap``) against N
+layers in turn; ``tasks``, the optimizer step alone per task against transformers'
+``Trainer`` (CPU).  MFU = useful FLOPs/s (6·N·T for the dense weights plus attention's
+12·L·H·Σ s², real tokens only) over the measured matmul peak (fp32 CPU, bf16 GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import queue
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +36,7 @@ from mtbert.core.config import TrainConfig, parse_set_args
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.data import (SharedBuckets, TaskBatcher, collate, encoding_for, load_data,
                          real_rows)
-from mtbert.step.step_counts import OpCounter, group_tokens, real_lengths, step_tokens
+from mtbert.step.step_counts import OpCounter, real_lengths, step_tokens
 
 _SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0)
 #: ``--technique``: what each adds to the plain step (SMART: 1 ascent step; smart_l
@@ -51,7 +46,7 @@ TECHNIQUES = {"plain": {}, "smart": {**_SMART, "smart_mu": 1.0}, "smart_l": _SMA
 #: each mode's --trials, --steps and --warmup unless given
 DEFAULTS = {"trainer": ("1", 12, 4), "fused": ("1,2,4,8,16,32", 6, 2),
             "techniques": ("1", 10, 0), "layer": ("1,2,4,8,16,32", 6, 2),
-            "tasks": ("1", 12, 2), "tokens": ("1,8,32", 400, 0)}
+            "tasks": ("1", 12, 2)}
 #: what the fork server of the fused rows imports once (no CUDA use there)
 PRELOAD = ["torch", "transformers", "mtbert.step.fused_training", "mtbert.step.trainer"]
 
@@ -604,41 +599,6 @@ def bench_tasks(args, peak: float) -> None:
                   f"HF group_by_length {ours / rates[(task, 'HF Trainer group_by_length')]:.2f}x")
 
 
-# ------------------------------------------------------------------ mode: tokens
-def batcher_at(commit: str) -> type:
-    """``TaskBatcher`` as mtbert/data/batching.py had it at ``commit``."""
-    from tools.module_paths import module_folders, rewriter
-
-    source = subprocess.run(["git", "show", f"{commit}:mtbert/data/batching.py"], cwd=REPO,
-                            check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / f"batching_{commit}.py"
-    path.write_text(rewriter(module_folders())(source))  # its imports at today's paths
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TaskBatcher
-
-
-def bench_tokens(args, peak: float) -> list[dict]:
-    data = load_data(TrainConfig(model=args.model, data_dir=args.data_dir,
-                                 max_train_per_task=args.max_train_per_task))
-    batcher = batcher_at(args.batcher_from_commit) if args.batcher_from_commit else TaskBatcher
-    rows = []
-    print(f"{'trials':>6} {'task':>5} {'executed / real tokens':>24}")
-    for n in args.trials:
-        counts = {task: group_tokens(data.split(task, "train"), encoding_for(task, args.encoding),
-                                     n, args.batch_size, args.bucket_batches, args.steps,
-                                     args.own_buckets, args.offset, batcher)
-                  for task in TASK_NAMES}
-        counts["all"] = tuple(sum(c[i] for c in counts.values()) for i in (0, 1))
-        for task, (executed, real) in counts.items():
-            rows.append({"trials": n, "task": task, "executed_tokens": executed,
-                         "real_tokens": real, "executed_per_real": executed / real})
-            print(f"{n:>6} {task:>5} {executed / real:>24.3f}")
-    args.save(rows)
-    return rows
-
-
 # ------------------------------------------------------------------ command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -646,7 +606,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", choices=list(DEFAULTS), default="trainer")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--trials", "--concurrent", help="comma-separated N (default: trainer 1; "
-                   "fused and layer 1,2,4,8,16,32; tokens 1,8,32)")
+                   "fused and layer 1,2,4,8,16,32)")
     p.add_argument("--unfused-trials", help="fused mode: the N of the unfused rows "
                    "(default: --trials; '' none)")
     p.add_argument("--technique", default="plain", help=f"comma-separated, from "
@@ -654,7 +614,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default="", help="techniques mode: comma-separated "
                    "precisions (fp32, bf16, auto), each technique once in each, in turn on "
                    "the same batches (default: the config's)")
-    p.add_argument("--steps", type=int, help="timed steps (tokens: steps per task)")
+    p.add_argument("--steps", type=int, help="timed steps")
     p.add_argument("--warmup", type=int, help="trainer: warm-up steps; fused and techniques: "
                    "passes over the timed steps after the one that draws them; layer, tasks: "
                    "steps before the timing")
@@ -675,15 +635,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="another TrainConfig field, e.g. smart_lambda_sst=1 (repeatable)")
     p.add_argument("--skip-hf", action="store_true", help="tasks: no transformers Trainer")
     p.add_argument("--length", type=int, default=64, help="layer: sequence length")
-    p.add_argument("--encoding", choices=("cross", "siamese"), default="cross",
-                   help="tokens: the pair tasks' encoding")
-    p.add_argument("--bucket-batches", type=int,
-                   default=TrainConfig.__dataclass_fields__["bucket_batches"].default)
-    p.add_argument("--offset", type=int, default=0, help="tokens: trial i draws i x K first")
-    p.add_argument("--own-buckets", action="store_true")
-    p.add_argument("--max-train-per-task", type=int, default=0,
-                   help="tokens: training rows per task, as a budget caps them (0 = all)")
-    p.add_argument("--batcher-from-commit", metavar="REV")
     p.add_argument("--json", help="also write the figures to this file (after every row)")
     args = p.parse_args(argv)
     trials, args.steps, args.warmup = [x if y is None else y for x, y in zip(
@@ -719,12 +670,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mp.set_forkserver_preload(PRELOAD)
     device = torch.device(args.device)
-    peak = matmul_peak(device, args.threads) if args.mode != "tokens" else None
+    peak = matmul_peak(device, args.threads)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {args.threads} threads"
-    if peak is not None:
-        print(f"torch {torch.__version__}, {name}, matmul peak {peak:.1f} GFLOP/s "
-              f"({'bf16' if device.type == 'cuda' else 'fp32'})")
+    print(f"torch {torch.__version__}, {name}, matmul peak {peak:.1f} GFLOP/s "
+          f"({'bf16' if device.type == 'cuda' else 'fp32'})")
 
     def save(rows: list[dict]) -> None:
         """The figures so far to ``--json`` (a run cut short keeps its rows)."""
@@ -738,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     args.save = save
     from mtbert.core.errors import MtbertError
     modes = {"trainer": bench_rows, "fused": bench_rows, "techniques": bench_techniques,
-             "layer": bench_layer, "tasks": bench_tasks, "tokens": bench_tokens}
+             "layer": bench_layer, "tasks": bench_tasks}
     try:
         modes[args.mode](args, peak)
     except MtbertError as exc:
