@@ -107,8 +107,12 @@ def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scope scheduler with two scopes, ``searches`` and ``rest``: each is
     sent whole to one worker, in the order collected.  (Its ``xdist_group`` marks would say
     the same, but xdist 3.8 renames a marked test's ``_nodeid``, which pytest 9 no longer
-    reads: the marks group nothing.)"""
+    reads: the marks group nothing.)  The unit tier alone (``-m "not integration"``) has no
+    search to keep together: each module is its own scope, spread over both workers."""
     from xdist.scheduler import LoadScopeScheduling
+
+    if "not integration" in (config.getoption("markexpr") or ""):
+        return LoadScopeScheduling(config, log)
 
     class TwoGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
