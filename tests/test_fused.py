@@ -1,4 +1,4 @@
-"""Fused trials (mtbert/step/fused_model.py, fused_adamw.py, fused_training.py): N trials of one
+"""Fused trials (mtbert/step/fused_model.py, fused_training.py, mtbert/techniques/trial_adamw.py): N trials of one
 structure trained as one stacked model train as their solo runs do."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 
 from mtbert.data import TaskBatcher, collate, encoding_for, load_data
 from mtbert.model.fused_attention import BATCHED_ATTENTION
-from mtbert.step.fused_adamw import TrialAdamW
+from mtbert.techniques.trial_adamw import TrialAdamW
 from mtbert.step.fused_model import FusedModel, stack_batches
 from mtbert.step.fused_training import FusedGroup, fuse_key, plan_groups, train_fused
 from mtbert.run.inference import load_checkpoint_model, predict_split

@@ -4,7 +4,7 @@
 
 The trials' models are stacked (:class:`~mtbert.step.fused_model.FusedModel`; each trial
 model's parameters become views of its slice) and trained by one per-trial AdamW
-(:class:`~mtbert.step.fused_adamw.TrialAdamW`) whose moments each trial's own optimizer
+(:class:`~mtbert.techniques.trial_adamw.TrialAdamW`) whose moments each trial's own optimizer
 holds as views too, so that each trial's evaluation, checkpoint and predictions read the
 stacked state.  Per-trial values are ``[N]`` (or ``[G, N]``) device tensors: learning rate,
 weight decay, clipping norm, the loss weights (:func:`mtbert.techniques.losses.stack_combiners`),
@@ -26,7 +26,8 @@ import torch
 from mtbert.core.devices import to_device
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.core.trial_streams import group_generator
-from mtbert.step.fused_adamw import STATE_KEYS, TrialAdamW
+from mtbert.techniques.trial_adamw import STATE_KEYS, TrialAdamW
+from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.step.fused_model import FusedModel, stack_batches
 from mtbert.step.step_graphs import reached_parameters
 from mtbert.techniques.gradients import random_orders, trial_orders
@@ -113,6 +114,8 @@ class StackedTrials:
         self.lrs = torch.zeros_like(self.weight_decays)
         self.max_norms = torch.tensor([float(t.cfg.max_grad_norm) for t in self.trials],
                                       dtype=torch.float64, device=self.device)
+        #: the update over the trial axis, its SMART teachers following the stacked weights
+        self.updater = TrialUpdate(self.optimizer, self.max_norms, self.smart, self.fused.params)
         for n, trial in enumerate(self.trials):
             own = trial_parameters(trial)
             for name, state in self.optimizer.state.items():
@@ -178,14 +181,9 @@ class StackedTrials:
         self.grad_combiner.backward(terms, self.shared, penalty, self.orders, trials=self.n)
 
     def update(self) -> None:
-        masks = self._masks(self.pattern, self.penalised)
-        self.optimizer.clip_(self.max_norms, masks)
-        self.optimizer.step(self.lrs, self.weight_decays, masks)
-        if self.smart is not None:
-            self.smart.after_step(self.fused.params, self.pattern["stepping"])
-        # zeroed in place, not dropped: the gradients stay the same tensors (the optimizer's
-        # views of them too); which slices step is the masks' business
-        torch._foreach_zero_([p.grad for p in self.trained.values() if p.grad is not None])
+        self.updater.step(self._masks(self.pattern, self.penalised), self.lrs,
+                          self.weight_decays, self.pattern["stepping"])
+        self.updater.clear()
         self.stepping, self.batches, self.orders = {}, {}, None
 
     def losses_of(self, losses, batches):

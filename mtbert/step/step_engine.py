@@ -29,6 +29,7 @@ import torch
 from mtbert.core.devices import to_device
 from mtbert.techniques.gradients import random_orders
 from mtbert.techniques.losses import batch_loss
+from mtbert.techniques.trial_update import TrialUpdate
 
 if TYPE_CHECKING:
     from mtbert.run.trial_run import Batches, TrialRun
@@ -98,12 +99,16 @@ def task_loss_terms(trial: TrialRun, task: str, batch: dict[str, torch.Tensor],
 
 class OneTrial:
     """One trial's parts of the step (no trial axis): its model and loss weighting, its
-    gradient combiner, torch's ``clip_grad_norm_`` and AdamW (its optimizer), its SMART
-    teacher's EMA.  Its draws are from its own stream (``trial.generator``)."""
+    gradient combiner, its update (torch's ``clip_grad_norm_`` and AdamW, its SMART
+    teacher's EMA).  Its draws are from its own stream (``trial.generator``)."""
 
     def __init__(self, trial: TrialRun):
         self.trial = trial
         self.batches: Batches = {}
+        #: the update (:class:`~mtbert.techniques.trial_update.TrialUpdate`): torch's
+        #: clipping and the trial's own AdamW, its SMART teacher's EMA
+        self.updater = TrialUpdate(trial.optimizer, trial.cfg.max_grad_norm,
+                                   trial.regulariser, trial.model)
 
     def begin(self, batches: dict[TrialRun, Batches]) -> list[str]:
         (trial, host), = batches.items()
@@ -111,7 +116,7 @@ class OneTrial:
             raise ValueError("a one-trial step was given another trial's batches")
         if trial.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
             torch.compiler.cudagraph_mark_step_begin()
-        trial.optimizer.zero_grad(set_to_none=True)
+        self.updater.clear()
         self.batches = {task: to_device(b, trial.device) for task, b in host.items()}
         return list(self.batches)
 
@@ -129,13 +134,7 @@ class OneTrial:
         t.grad_combiner.backward(terms, t.model.shared_parameters(), penalty, orders)
 
     def update(self) -> None:
-        t = self.trial
-        if t.cfg.max_grad_norm:
-            params = [p for g in t.optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, t.cfg.max_grad_norm)
-        t.optimizer.step()
-        if t.regulariser is not None:
-            t.regulariser.after_step(t.model)
+        self.updater.step()
         self.batches = {}
 
     def losses_of(self, losses, batches):

@@ -57,6 +57,7 @@ from mtbert.core.devices import uses_bf16
 from mtbert.data import MultitaskData, collate, encoding_for, pad_rows
 from mtbert.model.dropout_rate import RateDropout
 from mtbert.techniques.losses import task_loss
+from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.core.tasks import TASK_NAMES
 
 CACHE_VERSION = "1"
@@ -242,6 +243,7 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
     stage = cfg.pretrain
     params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.pretrain_lr, weight_decay=0.0)
+    update = TrialUpdate(optimizer, max_norm=1.0)  # clipped at norm 1, no teacher
     rng = np.random.default_rng([cfg.seed, _STAGE_CODE[stage]])
     autocast = uses_bf16(cfg.precision, device)
     bs = cfg.pretrain_batch_size
@@ -293,10 +295,9 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
             for idx in stream:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss = step_loss(idx)
-                optimizer.zero_grad(set_to_none=True)
+                update.clear()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
+                update.step()
                 losses.append(float(loss.detach()))
                 seen += len(idx)
                 if time.perf_counter() - last_log > 10:
@@ -305,7 +306,7 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
                         f"loss {losses[-1]:.4f}")
         finally:
             model.train(was_training)
-            optimizer.zero_grad(set_to_none=True)
+            update.clear()
     return losses, seen
 
 
