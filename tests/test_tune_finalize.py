@@ -148,6 +148,48 @@ def test_a_driver_killed_while_ending_a_trial_resumes_with_its_end(tmp_path):
     assert (run.info.status, run.data.tags["status"]) == ("FINISHED", "completed")
 
 
+@pytest.mark.parametrize("kill_at", ["before the journal", "between the journal and the state"])
+def test_a_driver_killed_while_logging_an_evaluation_loses_it_nowhere(tmp_path, monkeypatch,
+                                                                       kill_at):
+    """An evaluation's MLflow point and the state file's ``last_step`` (what a resume skips)
+    are written journal first: a driver killed at either moment of logging one resumes with
+    the point in MLflow exactly once -- sent from the journal, or logged again when the
+    restored trial reports it again.  (Recorded first, a kill before the journal lost the
+    point: one CI run's trial had MLflow steps [0, 54, 146, 192] against Ray's
+    [0, 54, 102, 146, 192].)"""
+    from mtbert.tune.infra import outbox as ob
+    from mtbert.tune.infra import tracking
+    from mtbert.tune.infra.tracking import SearchTracker
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = SearchTracker(uri, "mtbert/test", tmp_path, fresh=True, background=True)
+    tracker.start_parent("search", {"space": "x"}, {})
+    tracker.child_run("t1", "trial_t1", {"lr": 1e-4})
+    assert tracker.log_trial_result("t1", {"val/overall": 0.5}, 0)
+    assert tracker.flush(30)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # SIGKILL of the driver, here
+    if kill_at == "before the journal":
+        monkeypatch.setattr(tracker.outbox, "put", killed)
+    else:
+        monkeypatch.setattr(tracker, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.log_trial_result("t1", {"val/overall": 0.6}, 54)
+    monkeypatch.undo()
+    # a new driver process: this one's outbox and in-memory state gone, the files kept
+    ob.release(tmp_path / ob.OUTBOX_DIR)
+    tracking._SHARED_STATES.pop(str(tracker.state_path))
+    resumed = SearchTracker(uri, "mtbert/test", tmp_path, background=True)
+    # the restored trial reports its evaluations again (from an earlier checkpoint)
+    logged = [resumed.log_trial_result("t1", {"val/overall": v}, step)
+              for step, v in ((0, 0.5), (54, 0.6), (102, 0.7))]
+    assert logged == [False, kill_at == "before the journal", True]
+    assert resumed.flush(30)
+    history = resumed.client.get_metric_history(resumed.run_of("t1"), "val/overall")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.5), (54, 0.6), (102, 0.7)]
+    resumed.close()
+
+
 def test_plots_label_every_axis_and_keep_legends_off_the_curves():
     from mtbert.tune.results.report import (best_so_far_figure, importances_figure,
                                             learning_curves_figure)

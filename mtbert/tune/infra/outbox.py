@@ -125,6 +125,9 @@ class Outbox:
         folder.mkdir(parents=True, exist_ok=True)
         self._lock_file = _hold_lock(folder / LOCK)
         self._through, self._pending = self._read()
+        #: the operations unsent when this process opened the journal (what a killed
+        #: process queued: a tracker reads its evaluations from here, :meth:`put`'s ``then``)
+        self.found = tuple(self._pending)
         last = self._pending[-1]["seq"] if self._pending else self._through
         self._next = last + 1
         if self._pending:
@@ -156,8 +159,11 @@ class Outbox:
                 pending.append(op)
         return through, pending
 
-    def put(self, op: dict[str, Any]) -> int:
-        """Queue ``op`` (its ``file``, a path, copied into the outbox first); its number."""
+    def put(self, op: dict[str, Any], then: Callable[[], None] | None = None) -> int:
+        """Queue ``op`` (its ``file``, a path, copied into the outbox first); its number.
+        ``then`` runs once ``op`` is in the journal and before the sender may take it: what
+        the caller records of it (a process killed before ``then`` leaves ``op`` in the
+        journal, unsent; one killed after leaves both)."""
         with self._cond:
             op = {"seq": self._next, **op}
             if op.get("file"):
@@ -168,6 +174,8 @@ class Outbox:
                 op["file"] = copy.relative_to(self.folder).as_posix()
             with open(self.folder / JOURNAL, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(op) + "\n")
+            if then is not None:
+                then()
             self._next += 1
             self._pending.append(op)
             self._start()

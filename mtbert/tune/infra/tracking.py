@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mtbert.core.atomic import atomic_write_text, check_creatable
 from mtbert.core.errors import MtbertError
@@ -243,12 +243,16 @@ class SearchTracker:
                                       self.describe)
         return self._outbox
 
-    def _submit(self, op: dict[str, Any]) -> None:
-        """Send ``op`` now (raising as MLflow does), or queue it in the outbox."""
+    def _submit(self, op: dict[str, Any], then: Callable[[], None] | None = None) -> None:
+        """Send ``op`` now (raising as MLflow does), or queue it in the outbox; ``then``
+        (what the caller records of it) once it is sent, or in the journal and not yet
+        sendable (:meth:`Outbox.put`): a write is never recorded before it is kept."""
         if self.background:
-            self.outbox.put(op)
+            self.outbox.put(op, then)
         else:
             self._send(op)
+            if then is not None:
+                then()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued writes to reach MLflow, giving up once it has taken none for
@@ -333,11 +337,15 @@ class SearchTracker:
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         self._submit({"kind": "params", "run": run_id, "params": _param_items(params)})
 
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0,
+                    then: Callable[[], None] | None = None, **marks: Any) -> None:
+        """``metrics`` at ``step`` (``then``, ``marks``: as :meth:`_submit` and the
+        operation carry them)."""
         items = [[k, v] for k, v in scalar_metrics(metrics).items()]
         if items:  # the time is taken now: a write sent twice is the same point
             self._submit({"kind": "metrics", "run": run_id, "metrics": items,
-                          "step": int(step), "timestamp": int(time.time() * 1000)})
+                          "step": int(step), "timestamp": int(time.time() * 1000), **marks},
+                         then)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         self._submit({"kind": "tags", "run": run_id, "tags": {k: str(v) for k, v in tags.items()}})
@@ -409,15 +417,32 @@ class SearchTracker:
         self._submit({"kind": "status", "run": self.run_of(trial_id), "status": "RUNNING"})
 
     def log_trial_result(self, trial_id: str, metrics: dict[str, float], step: int) -> bool:
-        """Log one evaluation unless this step was logged before (resume); True if logged."""
+        """Log one evaluation unless this step was logged before (resume); True if logged.
+        The state file's ``last_step`` is written once the evaluation is in the outbox's
+        journal, before it can be sent: a driver killed in between leaves it in the journal
+        (its resume sends it, and :meth:`_last_step` reads it there), never recorded and
+        lost (one CI run lost a trial's point at 102 examples that way)."""
         with self.lock:
             child = self.state["children"][trial_id]
-            if step <= child.get("last_step", -1) or self.ends.frozen(trial_id):
+            if step <= self._last_step(trial_id) or self.ends.frozen(trial_id):
                 return False
-            child["last_step"] = step
-            self.save()
-        self.log_metrics(self.run_of(trial_id), metrics, step)
+
+            def recorded():
+                child["last_step"] = step
+                self.save()
+            self.log_metrics(self.run_of(trial_id), metrics, step, then=recorded,
+                             evaluation=trial_id)
         return True
+
+    def _last_step(self, trial_id: str) -> int:
+        """The furthest evaluation of the trial logged: the state file's, or one a killed
+        driver had put in the journal (unsent) without recording it."""
+        last = self.state["children"][trial_id].get("last_step", -1)
+        if self.background:
+            queued = [op["step"] for op in self.outbox.found
+                      if op.get("kind") == "metrics" and op.get("evaluation") == trial_id]
+            last = max([last, *queued])
+        return last
 
     def end_trial(self, trial_id: str, status: str, tags: dict[str, Any]) -> None:
         """The trial's end: recorded in the state file first, then written to its run -- a
