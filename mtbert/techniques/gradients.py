@@ -113,13 +113,11 @@ def projection_weights(grads: Sequence[torch.Tensor] | torch.Tensor,
 def _combined(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Σ_k weights[:, k] g_k of ``stacked`` ``[T, D]`` (weights ``[1, T]``) or ``[T, N, D]``
     (weights ``[N, T]``), summed in task order (weights of 1: the plain sum, bit for bit)."""
-    if stacked.dim() == 2:
-        weights = weights[0]
-    else:
-        weights = weights.unsqueeze(-1)
-    total = stacked[0] * weights[0] if stacked.dim() == 2 else stacked[0] * weights[:, 0]
+    # task k's factor: a number, or each trial's as [N, 1]
+    factors = weights[0] if stacked.dim() == 2 else weights.unsqueeze(-1).unbind(1)
+    total = stacked[0] * factors[0]
     for k in range(1, stacked.shape[0]):
-        total.addcmul_(stacked[k], weights[k] if stacked.dim() == 2 else weights[:, k])
+        total.addcmul_(stacked[k], factors[k])
     return total
 
 
