@@ -309,6 +309,11 @@ def table(doc: dict) -> str:
                         "| MB | captured |",
                         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
                 out += _train_rows(result)
+                out += [f"- N = {row['trials']}: the stacked step as one CUDA graph: "
+                        + (f"captured, {_fmt(c['ex_per_s'])} ex/s in replays" if c["captured"]
+                           else f"not captured ({c['reason']})")
+                        for row in result.get("rows", [])
+                        for c in [(row.get("fused") or {}).get("capture")] if c]
             elif "rows" in result and result.get("args", {}).get("mode") == "layer":
                 out += ["", f"{name} ({file}): one layer, forward + backward", "",
                         "| N | fused ms | N layers ms | speed-up | fused TFLOP/s |",

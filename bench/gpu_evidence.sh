@@ -6,12 +6,13 @@
 #        MODEL_DIR DATA_DIR OUT_DIR
 #
 # Steps: 1 the attention probe, then the CUDA tests (a failure stops the run); 2 the fused
-# layer alone; 3 fused plain batch 32; 4 SMART batch 16; 5 the full smart search, --fuse on
-# then off; 6 the peers' full rows; 7 with --mpnet DIR, a 3-epoch training of that model,
-# then a full smart search with it.  --steps: 1-6 by default, 7 with --mpnet; all within
-# --budget-s (520 s; 1500 for a dry run).  --dry-run: steps 1-4 (and 7a) on the CPU with a
-# tiny random BERT from MODEL_DIR's tokenizer.  Exit 0 when every step that ran passed, 1
-# when one failed or timed out, 2 on missing inputs.
+# layer alone; 3 fused plain batch 32 (and a try to capture the stacked step as one CUDA
+# graph); 4 SMART batch 16; 5 the full smart search, --fuse on then off; 6 the peers' rows;
+# 7 with --mpnet DIR, a 3-epoch training of that model, then a full smart search with it.
+# --steps: 1-6 by default, 7 with --mpnet; all within --budget-s (520 s; 1500 for a dry
+# run).  --dry-run: steps 1-4 (and 7a) on the CPU with a tiny random BERT from MODEL_DIR's
+# tokenizer.  Exit 0 when every step that ran passed, 1 when one failed or timed out, 2 on
+# missing inputs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -185,7 +186,7 @@ if [ $failed = 0 ]; then
   want 2 && step "2 fused layer" "${limits[2]}" 20 TERM "$work/layer.json" -- \
     "$python" -m bench.throughput --mode layer "${common[@]}" "${layer[@]}" --json "$work/layer.json"
   want 3 && step "3 plain b32" "${limits[3]}" 60 TERM "$work/plain.json" -- \
-    "$python" -m bench.throughput --mode fused "${common[@]}" "${plain[@]}" --json "$work/plain.json"
+    "$python" -m bench.throughput --mode fused --capture "${common[@]}" "${plain[@]}" --json "$work/plain.json"
   want 4 && step "4 SMART b16" "${limits[4]}" 40 TERM "$work/smart.json" -- \
     "$python" -m bench.throughput --mode fused --technique smart "${common[@]}" "${smart[@]}" --json "$work/smart.json"
   if want 5 || want 6 || want 7; then reason=$(stack_reason); else reason=""; fi

@@ -45,7 +45,7 @@ class Problem:
     def eval_points(self) -> list[int]:
         """The examples at which a trial is scored on val: the trainer's points
         (``eval_every · eval_growth^k``) below the budget, then the budget's end."""
-        from mtbert.step.trainer import next_eval_point  # deferred: torch
+        from mtbert.loop.trainer import next_eval_point  # deferred: torch
         b, points = self.budget, []
         point = next_eval_point(0, b.eval_every, b.eval_growth)
         while point < b.max_examples:

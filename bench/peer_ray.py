@@ -17,7 +17,7 @@ def train_fn(config: dict[str, Any], data=None, base: dict[str, Any] | None = No
     from ray import tune
 
     from mtbert.run.metrics import scalar_metrics
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
     from mtbert.tune.trial.trial_config import trial_config
 
     trial_dir = Path(tune.get_context().get_trial_dir())

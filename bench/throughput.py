@@ -48,7 +48,7 @@ DEFAULTS = {"trainer": ("1", 12, 4), "fused": ("1,2,4,8,16,32", 6, 2),
             "techniques": ("1", 10, 0), "layer": ("1,2,4,8,16,32", 6, 2),
             "tasks": ("1", 12, 2)}
 #: what the fork server of the fused rows imports once (no CUDA use there)
-PRELOAD = ["torch", "transformers", "mtbert.step.fused_training", "mtbert.step.trainer"]
+PRELOAD = ["torch", "transformers", "mtbert.loop.training_group", "mtbert.loop.trainer"]
 
 
 # ------------------------------------------------------------------ figures
@@ -121,17 +121,17 @@ def gpu_busy_ms(device: torch.device, run) -> float | None:
 
 # ------------------------------------------------------------------ one process of a row
 def worker(rank: int, settings: dict, barrier, results) -> None:
-    """One process of a row (module doc): its trials as one FusedGroup, or one solo trainer
+    """One process of a row (module doc): its trials as one TrainingGroup, or one solo trainer
     each (several: the techniques, trained in turn on the same batches)."""
-    from mtbert.step.fused_training import FusedGroup, group_step
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.training_group import TrainingGroup, group_step
+    from mtbert.loop.trainer import Trainer
 
     torch.set_num_threads(settings["threads"])
     configs = [TrainConfig.from_dict(c) for c in settings["configs"]]
     data = load_data(configs[0])
     outs = [Path(tempfile.mkdtemp(prefix=f"mtbert-bench-{rank}-")) for _ in configs]
     if settings["fused"]:
-        group = FusedGroup(configs, data, outs, checkpoints=False)
+        group = TrainingGroup(configs, data, outs, checkpoints=False)
         trials = list(group.trials.values())
         engines = [(trials, group_step(trials))]
     else:
@@ -143,7 +143,7 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     drawers = trials if settings["fused"] else trials[:1]
 
     def draw() -> dict:
-        shared = SharedBuckets()  # as FusedGroup draws: each task's rows from one bucket
+        shared = SharedBuckets()  # as TrainingGroup draws: each task's rows from one bucket
         drawn = {t: t.next_update(shared) for t in drawers}
         if None in drawn.values():
             raise SystemExit("error: a trial trained to its end (give it more: --set epochs=...)")
@@ -227,7 +227,37 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     if evals:
         figures.update(val_rows=sum(len(data.split(t, "val")) for t in TASK_NAMES),
                        eval_first_s=evals[0], eval_s=evals[1])
+    if settings["capture"]:  # last: a failed capture may leave the CUDA context unusable
+        (members, engine), = engines
+        first = {m: recorded[0][m] for m in members}
+        figures["capture"] = capture_step(device, engine, first, steps, sum(
+            real_rows(b) for t in drawers for b in recorded[0][t].values()))
     results.put(figures)
+
+
+def capture_step(device: torch.device, engine, batches: dict, steps: int, rows: int) -> dict:
+    """Whether the stacked step (``engine.step(batches)``) captures as one CUDA graph
+    (``torch.cuda.graph``, after three eager steps on a side stream) and, where it does, its
+    replays' rate: ``rows`` examples a step.  Where it does not, the first line of the error
+    (a host sync, a host-to-device copy or a tensor built from host values in the step)."""
+    if device.type != "cuda":
+        return {"captured": False, "reason": f"no CUDA graphs on {device.type}"}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            engine.step(batches)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            engine.step(batches)
+    except Exception as exc:  # noqa: BLE001 -- the reason is the figure
+        return {"captured": False,
+                "reason": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
+    elapsed = seconds(device, lambda: [graph.replay() for _ in range(steps)])
+    return {"captured": True, "replay_ms_per_step": 1000 * elapsed / steps,
+            "ex_per_s": rows * steps / elapsed}
 
 
 class WorkerError(RuntimeError):
@@ -288,7 +318,8 @@ def run_processes(settings: list[dict], timeout_s: float, start: str = "forkserv
             "executed_per_real_token": total("executed_tokens") / max(1, total("real_tokens")),
             "step_mb": None if any(r["step_mb"] is None for r in rows) else total("step_mb"),
             "cpu_s_per_1000_ex": 1000 * total("cpu_s") / examples,
-            "step_mode": rows[0]["step_mode"]}
+            "step_mode": rows[0]["step_mode"],
+            **({"capture": rows[0]["capture"]} if "capture" in rows[0] else {})}
 
 
 # ------------------------------------------------------------------ modes
@@ -307,7 +338,8 @@ def process(args, configs: list[dict], threads: int, fused: bool = False, **more
     live = args.mode == "trainer"
     return {"configs": configs, "fused": fused, "threads": threads, "live": live,
             "eval": live, "rotate": False, "names": [], "steps": args.steps,
-            "warmup": args.warmup, **more}
+            "warmup": args.warmup, "capture": fused and getattr(args, "capture", False),
+            **more}
 
 
 def print_row(n: int, engine: str, f: dict, peak: float) -> None:
@@ -566,7 +598,7 @@ def bench_hf_trainer(model, cfg: TrainConfig, data, task: str, group_by_length: 
 
 
 def bench_tasks(args, peak: float) -> None:
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
 
     cfg = TrainConfig(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
                       threads=args.threads, progress=False, eval_dev=False, dropout=0.1,
@@ -635,6 +667,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="another TrainConfig field, e.g. smart_lambda_sst=1 (repeatable)")
     p.add_argument("--skip-hf", action="store_true", help="tasks: no transformers Trainer")
     p.add_argument("--length", type=int, default=64, help="layer: sequence length")
+    p.add_argument("--capture", action="store_true", help="fused: also try to capture the "
+                   "stacked step in one CUDA graph; its row says whether it captured, and "
+                   "its replays' ex/s")
     p.add_argument("--json", help="also write the figures to this file (after every row)")
     args = p.parse_args(argv)
     trials, args.steps, args.warmup = [x if y is None else y for x, y in zip(

@@ -5,7 +5,7 @@ Trains one run and writes ``OUT/metrics.json``, ``OUT/config.yaml``,
 (one message on stderr naming the file or field); on bad input nothing is written.
 
 ``--fuse-seeds 0,1,2`` trains the configuration once per seed, the runs fused into one
-model (:mod:`mtbert.step.fused_training`), each into ``OUT/seed-<seed>/`` with a solo run's files.
+model (:mod:`mtbert.loop.training_group`), each into ``OUT/seed-<seed>/`` with a solo run's files.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise MtbertError(f"--resume: no checkpoint in {resume_from}")
         # deferred: torch, transformers (heavy imports after the cheap checks)
         from mtbert.data import load_data
-        from mtbert.step.trainer import Trainer
+        from mtbert.loop.trainer import Trainer
         from mtbert.run.training_state import check_checkpoint
         if resume_from is not None:
             check_checkpoint(resume_from)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_fused(cfg, data, out: Path, seeds: list[int]) -> int:
-    from mtbert.step.fused_training import train_fused  # deferred: torch
+    from mtbert.loop.trainer import train_fused  # deferred: torch
 
     cfgs = [cfg.replace(seed=seed) for seed in seeds]
     outs = [out / f"seed-{seed}" for seed in seeds]

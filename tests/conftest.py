@@ -373,8 +373,8 @@ def one_torch_thread():
 @pytest.fixture
 def no_kept_step():
     """A test's trainers start without another test's kept step graphs
-    (``mtbert.run.graph_reuse``), and leave none behind."""
-    from mtbert.run import graph_reuse
+    (``mtbert.loop.graph_reuse``), and leave none behind."""
+    from mtbert.loop import graph_reuse
 
     graph_reuse.forget()
     yield

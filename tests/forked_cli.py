@@ -36,7 +36,7 @@ DRIVER_IMPORTS = ["mtbert.tune.cli", "mtbert.tune.driver", "transformers.models.
                   "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"]
 #: what ``python -m mtbert.train`` imports (deferred, after its argument checks; not
 #: mtbert.train itself: runpy warns when it runs a module already imported)
-TRAIN_IMPORTS = ["mtbert.core.config", "mtbert.core.pretrained", "mtbert.data", "mtbert.step.trainer",
+TRAIN_IMPORTS = ["mtbert.core.config", "mtbert.core.pretrained", "mtbert.data", "mtbert.loop.trainer",
                  "mtbert.run.training_state", "safetensors.torch", "transformers.models.bert",
                  "transformers:CONFIG_MAPPING,MODEL_MAPPING,AutoConfig,AutoTokenizer,AutoModel"]
 

@@ -176,7 +176,7 @@ def trained_run(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     import torch
 
     from mtbert.data import load_data
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
 
     from mtbert.core.config import TrainConfig, parse_set_args
 

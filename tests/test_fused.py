@@ -1,5 +1,6 @@
-"""Fused trials (mtbert/step/fused_model.py, fused_training.py, mtbert/techniques/trial_adamw.py): N trials of one
-structure trained as one stacked model train as their solo runs do."""
+"""Fused trials (mtbert/step/fused_model.py, mtbert/loop/training_group.py,
+mtbert/techniques/trial_adamw.py): N trials of one structure trained as one stacked model
+train as their solo runs do."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from mtbert.data import TaskBatcher, collate, encoding_for, load_data
 from mtbert.model.fused_attention import BATCHED_ATTENTION
 from mtbert.techniques.trial_adamw import TrialAdamW
 from mtbert.step.fused_model import FusedModel, stack_batches
-from mtbert.step.fused_training import FusedGroup, fuse_key, plan_groups, train_fused
+from mtbert.loop.trainer import train_fused
+from mtbert.loop.training_group import TrainingGroup, fuse_key, plan_groups
 from mtbert.run.inference import load_checkpoint_model, predict_split
 from mtbert.techniques.losses import task_loss
 from mtbert.model.model import FOUR_D_MASK, MultitaskModel
-from mtbert.step.trainer import NonFiniteLossError, Trainer
+from mtbert.loop.trainer import NonFiniteLossError, Trainer
 from mtbert.run.trial_run import TrialRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
@@ -75,7 +77,7 @@ def _solo_runs(cfgs, data, folder, dtype) -> list[tuple[list, dict]]:
 def _solo_and_fused(cfgs, tmp_path, dtype):
     data = load_data(cfgs[0])
     solo = _solo_runs(cfgs, data, tmp_path, dtype)
-    group = FusedGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(len(cfgs))],
+    group = TrainingGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(len(cfgs))],
                        models=[_model(cfg, dtype) for cfg in cfgs])
     seens = [_recording(t) for t in group.trials.values()]
     return solo, list(zip(seens, group.fit()))
@@ -213,7 +215,7 @@ def test_fused_uncertainty_weighting_trains_as_the_solo_runs_in_float64(quiet_co
             for i, cfg in enumerate(cfgs)]
     solo_runs = [(_recording(t), t) for t in solo]
     solo_runs = [(seen, t.fit()) for seen, t in solo_runs]
-    group = FusedGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(3)],
+    group = TrainingGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(3)],
                        models=[_model(cfg, torch.float64) for cfg in cfgs])
     trials = list(group.trials.values())
     seens = [_recording(t) for t in trials]
@@ -395,7 +397,7 @@ def test_unfusable_configurations_train_alone_with_their_reason(quiet_config, tm
     reasons = [reason for _, reason in groups]
     assert reasons[:4] + reasons[5:] == [None] * 5
     assert "distilbert" in reasons[4] and "\n" not in reasons[4]
-    monkeypatch.setattr("mtbert.step.fused_training.FUSABLE_MODEL_TYPES", ("roberta",))
+    monkeypatch.setattr("mtbert.loop.training_group.FUSABLE_MODEL_TYPES", ("roberta",))
     logged = []
     results = train_fused([quiet_config(seed=0, max_examples=16),
                            quiet_config(seed=1, max_examples=16)],
@@ -462,9 +464,9 @@ def _trial(cfg, data, folder, **options) -> TrialRun:
     return TrialRun(cfg, data, folder, model=_model(cfg, torch.float64), **options)
 
 
-def _group(cfgs, data, folder, **options) -> tuple[FusedGroup, list[list]]:
+def _group(cfgs, data, folder, **options) -> tuple[TrainingGroup, list[list]]:
     """A group of ``cfgs``' trials (ids 0, 1, ...) and each one's recorded steps."""
-    group, seens = FusedGroup(), []
+    group, seens = TrainingGroup(), []
     for i, cfg in enumerate(cfgs):
         trial = _trial(cfg, data, folder / str(i), **options)
         seens.append(_recording(trial))
@@ -576,7 +578,7 @@ def test_a_diverged_trial_and_a_failing_one_end_alone(event_runs, tmp_path):
     checks = iter(range(1, 100))
     trials.append(_trial(cfgs[0].replace(seed=3), data, tmp_path / "d",
                          stop_requested=lambda: next(checks) >= 5))
-    group = FusedGroup()
+    group = TrainingGroup()
     seens = [_recording(t) for t in trials]
     for trial in trials:
         group.add(trial)
@@ -703,7 +705,7 @@ def test_fused_trials_under_bf16_autocast_follow_their_solo_runs_on_the_cpu(quie
         trainer.autocast = True
         seen = _recording(trainer)
         solo.append((seen, trainer.fit()))
-    group = FusedGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(2)],
+    group = TrainingGroup(cfgs, data, [tmp_path / f"fused-{i}" for i in range(2)],
                        models=[_model(cfg, torch.float32) for cfg in cfgs])
     for trial in group.trials.values():
         trial.autocast = True

@@ -109,7 +109,7 @@ def test_each_fused_trial_reports_what_it_reports_trained_alone(fused_search, tm
     drift, the same evaluation of its config trained alone by the Trainer."""
     from mtbert.core.config import TrainConfig
     from mtbert.data import load_data
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
     from mtbert.tune.trial.trial_config import trial_config
 
     exp_dir = fused_search["exp_dir"]

@@ -70,6 +70,9 @@ def test_dry_run_measures_every_step_into_at_most_8_files(dry_run):
     assert len(plain[1]["unfused"]["processes"]) == 2
     # two trials stacked: their batches padded to the longer one, more positions per token
     assert plain[1]["fused"]["executed_per_real_token"] >= plain[0]["fused"]["executed_per_real_token"]
+    # the try to capture the stacked step as one CUDA graph: on the CPU, why not
+    assert plain[1]["fused"]["capture"] == {"captured": False,
+                                            "reason": "no CUDA graphs on cpu"}
 
     smart = steps["4 SMART b16"]["results"]["smart.json"]
     assert smart["args"]["technique"] == ["smart"] and smart["args"]["batch_size"] == 16
@@ -77,6 +80,8 @@ def test_dry_run_measures_every_step_into_at_most_8_files(dry_run):
 
     table = (out / "evidence.md").read_text()
     assert "| 3 plain b32 | ok |" in table and "| 2 | fused (fused) |" in table
+    assert ("- N = 2: the stacked step as one CUDA graph: not captured (no CUDA graphs on "
+            "cpu)") in table
     log = (out / "evidence.log").read_text()
     assert all(f"=== {name}: exit 0" in log for name in steps)
     assert (out / "gpu_util.csv").read_text().startswith("timestamp")

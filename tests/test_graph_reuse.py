@@ -15,12 +15,12 @@ import weakref
 import pytest
 import torch
 
-from mtbert.run import graph_reuse
+from mtbert.loop import graph_reuse
 from mtbert.core.config import TrainConfig
 from mtbert.data import load_data
 from mtbert.model.dropout_rate import RateDropout, hold_dropout_in_tensor
 from mtbert.model.model import MultitaskModel
-from mtbert.step.trainer import NonFiniteLossError, Trainer
+from mtbert.loop.trainer import NonFiniteLossError, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +32,7 @@ SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=0.5, smart_lambda_sts=2.0, s
 def graphs_on_cpu(monkeypatch, no_kept_step):
     """The trainer takes the graphed path on the CPU (bodies run eagerly); nothing kept
     outlives the test."""
-    monkeypatch.setattr("mtbert.step.trainer.graphs_wanted", lambda cfg, device: True)
+    monkeypatch.setattr("mtbert.loop.trainer.graphs_wanted", lambda cfg, device: True)
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -162,14 +162,14 @@ def test_what_an_ended_trainer_leaves(tiny_config, tmp_path, graphs_on_cpu):
     del trainer
     gc.collect()
     assert ended() is None  # what is kept does not hold the trainer (its optimizer, buffers)
-    assert graph_reuse.take(graph_reuse.structure(cfg)).model is model
+    assert graph_reuse.take(graph_reuse.structure(cfg)).parts.model is model
 
     diverging = cfg.replace(loss_weighting="fixed", w_qqp=1e39, schedule="sequential",
                             max_examples=100, eval_every=100)
     trainer = Trainer(diverging, data, tmp_path / "nan")
     with pytest.raises(NonFiniteLossError):
         trainer.fit()
-    assert graph_reuse.take(graph_reuse.structure(diverging)).model is trainer.model
+    assert graph_reuse.take(graph_reuse.structure(diverging)).parts.model is trainer.model
 
     def fail(metrics, checkpoint_dir):
         raise OSError("disk full")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtbert.run import graph_reuse
+from mtbert.loop import graph_reuse
 from mtbert.data import load_data
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 # skipped where torch sees no GPU (conftest.py); nothing kept from another test's trainers
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_kept_step")]

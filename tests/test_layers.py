@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 #: :func:`tune_layers`), so that the docs' table (checked against this) follows the tree:
 #: ``mtbert``'s own ``__init__`` is in the bottom layer, its top-level modules (``train.py``)
 #: in the commands layer
-TRAINER_PACKAGES = ["core", "data", "model", "techniques", "run", "step"]
+TRAINER_PACKAGES = ["core", "data", "model", "techniques", "run", "step", "loop"]
 #: mtbert/tune's packages, bottom to top; its own top-level modules (the command line, the
 #: settings, the driver) are the commands layer with ``mtbert.train``
 TUNE_PACKAGES = ["trial", "search", "infra", "results"]

@@ -160,7 +160,7 @@ def test_sts_cosine_embedding():
 
 def test_trainer_optimises_the_learned_weights(tiny_config, tmp_path):
     from mtbert.data import load_data
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
     config = tiny_config(loss_weighting="uncertainty", update="summed", max_examples=72,
                          eval_dev=False, l1_lambda=1e-6)
     trainer = Trainer(config, load_data(config), tmp_path)

@@ -9,7 +9,7 @@ import torch
 
 from mtbert.data import load_data
 from mtbert.techniques.lr_schedules import build_lr_scheduler, warmup_steps
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mtbert.model.cosine_init import fit_logistic_1d, qqp_cosines
 from mtbert.data import collate, load_data
 from mtbert.model.model import MultitaskModel
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

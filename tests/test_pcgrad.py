@@ -15,7 +15,7 @@ from mtbert.techniques.gradients import (PCGradGradients, SumGradients, build_gr
                               project_conflicting, random_orders)
 from mtbert.techniques.losses import UncertaintyCombiner, task_loss
 from mtbert.model.model import MultitaskModel
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 TASKS = ("sst", "qqp", "sts")
 

@@ -14,7 +14,7 @@ import torch
 
 from mtbert.core.devices import native_bf16, precision_line, uses_bf16
 from mtbert.data import load_data
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -188,7 +188,7 @@ def test_corrupt_cache_file_is_recomputed(make, data):
 
 
 def test_trainer_runs_the_stage_once(make, data, tmp_path):
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
     cfg = make(seed=7, pretrain_examples=64, eval_dev=False)
     a = Trainer(cfg, data, tmp_path / "a")
     b = Trainer(cfg, data, tmp_path / "b")

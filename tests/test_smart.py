@@ -18,7 +18,7 @@ from mtbert.model.fused_attention import draw_attention_from
 from mtbert.model.model import MultitaskModel
 from mtbert.techniques.smart import (SmartRegulariser, build_regulariser, divergence, smart_output,
                           symmetric_kl_bernoulli, symmetric_kl_logits)
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 MASK_KEY = {"input": "attention_mask", "a": "attention_mask_a", "b": "attention_mask_b"}
 

@@ -11,8 +11,9 @@ import torch
 from mtbert.data import ROW_WEIGHTS, STATIC_LENGTHS, collate, load_data, real_rows
 from mtbert.core.errors import ConfigError
 from mtbert.techniques.losses import task_loss
-from mtbert.step.step_graphs import StepGraphs, batch_shapes, eager_reason, reached_parameters
-from mtbert.step.trainer import Trainer
+from mtbert.step.step_engine import reached_parameters
+from mtbert.step.step_graphs import StepGraphs, batch_shapes, eager_reason
+from mtbert.loop.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

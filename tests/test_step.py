@@ -13,7 +13,7 @@ import torch
 from mtbert.data import STATIC_LENGTHS, collate, load_data, static_length
 from mtbert.core.errors import ConfigError
 from mtbert.run.inference import predict_split
-from mtbert.step.trainer import NonFiniteLossError, Trainer
+from mtbert.loop.trainer import NonFiniteLossError, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

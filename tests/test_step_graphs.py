@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.run import graph_reuse
+from mtbert.loop import graph_reuse
 from mtbert.data import load_data
-from mtbert.step.trainer import NonFiniteLossError, Trainer
+from mtbert.loop.trainer import NonFiniteLossError, Trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_kept_step"),
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -105,7 +105,7 @@ def test_a_reused_worker_replays_its_graphs_for_the_next_trial(tiny_config, tmp_
     kept = Trainer(b_cfg, data, tmp_path / "b", checkpoints=False)
     kept_final = kept.fit()
     stats = kept.step_graphs.stats
-    assert kept.model is a.model
+    assert kept.parts.model is a.model
     assert stats.kept == len(a_graphs) >= 3
     new_task_graphs = set(kept.step_graphs.task_graphs) - a_graphs  # shapes A had no graph of
     assert stats.task_graphs_captured == len(new_task_graphs)
@@ -116,6 +116,6 @@ def test_a_reused_worker_replays_its_graphs_for_the_next_trial(tiny_config, tmp_
     assert fresh.step_graphs.stats.kept == 0
     for key in ("train/loss_sst", "train/loss_qqp", "train/loss_sts"):
         assert kept_final[key] == pytest.approx(fresh_final[key], rel=3e-2, abs=3e-3), key
-    w_k = torch.cat([p.detach().flatten() for p in kept.model.parameters()])
+    w_k = torch.cat([p.detach().flatten() for p in kept.parts.model.parameters()])
     w_f = torch.cat([p.detach().flatten() for p in fresh.model.parameters()])
     assert ((w_k - w_f).norm() / w_f.norm()).item() < 1e-3

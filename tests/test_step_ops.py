@@ -22,11 +22,11 @@ from __future__ import annotations
 import pytest
 
 from mtbert.data import load_data
-from mtbert.step.fused_training import FusedGroup
+from mtbert.loop.training_group import TrainingGroup
 from mtbert.step.stacked_trials import StackedTrials
 from mtbert.step.step_counts import OpCounter
 from mtbert.step.step_engine import EagerStep, OneTrial
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 from mtbert.run.trial_run import TrialRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
@@ -53,7 +53,7 @@ def _cfgs(tiny_config, n: int, **overrides):
 
 def fused_ops(cfgs, data, folder) -> list[int]:
     """Ops of each fused step of one round-robin cycle, after one cycle's warm-up."""
-    group = FusedGroup()
+    group = TrainingGroup()
     for i, cfg in enumerate(cfgs):
         group.add(TrialRun(cfg, data, folder / str(i)))
     group.run_steps(3)
@@ -83,15 +83,13 @@ def test_the_fused_step_s_ops_do_not_grow_with_the_trials(tiny_config, tmp_path,
 def solo_ops(cfg, data, folder) -> list[int]:
     """Ops of each solo eager step (``Trainer``) of one round-robin cycle, after one."""
     trainer = Trainer(cfg, data, folder)
-    trainer.start()
-    for _ in range(3):
-        trainer.train_one_update()
+    alone = trainer.as_group()
+    alone.run_steps(3)
     assert type(trainer.engine) is EagerStep and type(trainer.engine.parts) is OneTrial
     calls: list[int] = []
     engine = trainer.engine
     engine.step = _counted(engine, calls)
-    for _ in range(3):
-        trainer.train_one_update()
+    alone.run_steps(3)
     trainer.close()
     return calls
 

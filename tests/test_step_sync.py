@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtbert.data import load_data
 from mtbert.run.trial_run import TrialRun
-from mtbert.step.fused_training import FusedGroup
-from mtbert.step.trainer import Trainer
+from mtbert.loop.training_group import TrainingGroup
+from mtbert.loop.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_kept_step")
 
@@ -69,7 +69,7 @@ def _steady_group(tiny_config, tmp_path, technique):
     its engine built, its caches filled."""
     cfgs = _cfgs(tiny_config, 2, **TECHNIQUES[technique])
     data = load_data(cfgs[0])
-    group = FusedGroup()
+    group = TrainingGroup()
     for i, cfg in enumerate(cfgs):
         group.add(TrialRun(cfg, data, tmp_path / str(i)))
     group.run_steps(3)
@@ -83,13 +83,11 @@ def test_steady_steps_read_nothing_back_to_the_host(tiny_config, tmp_path, techn
     _watched(group.engine, fused)
     group.run_steps(3)
     trainer = Trainer(cfgs[0], data, tmp_path / "solo")
-    trainer.start()
-    for _ in range(3):
-        trainer.train_one_update()
+    alone = trainer.as_group()
+    alone.run_steps(3)
     solo = OpNames()
     _watched(trainer.engine, solo)
-    for _ in range(3):
-        trainer.train_one_update()
+    alone.run_steps(3)
     assert sum(fused.counts.values()) > 1000 and sum(solo.counts.values()) > 500
     assert not READ_BACK & fused.counts.keys(), {k: fused.counts[k] for k in READ_BACK}
     assert not READ_BACK & solo.counts.keys(), {k: solo.counts[k] for k in READ_BACK}

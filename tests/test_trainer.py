@@ -15,7 +15,7 @@ import pytest
 from mtbert.data import load_data
 from mtbert.run.metrics import overall_score, pearson
 from mtbert.run.inference import load_checkpoint_model
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_time_breakdown_is_cumulative_and_bounded_by_the_wall_clock(tiny_config,
 
 
 def test_next_eval_point_fixed_and_geometric():
-    from mtbert.step.trainer import next_eval_point
+    from mtbert.loop.trainer import next_eval_point
     assert [next_eval_point(s, 100) for s in (0, 99, 100, 250)] == [100, 100, 200, 300]
     # growth = ASHA's reduction factor: the points are its rungs 222, 666, 1998
     assert [next_eval_point(s, 222, 3.0) for s in (0, 221, 222, 700, 1997)] == [
@@ -72,7 +72,7 @@ def test_next_eval_point_fixed_and_geometric():
 
 
 def test_geometric_evaluations_land_on_the_points_and_the_end(tiny_config, tmp_path):
-    from mtbert.step.trainer import next_eval_point
+    from mtbert.loop.trainer import next_eval_point
     cfg = tiny_config(epochs=3, eval_every=40, eval_growth=2.0, eval_dev=False)
     seen = []
     trainer = Trainer(cfg, load_data(cfg), tmp_path,
@@ -208,7 +208,7 @@ def test_resume_from_checkpoint_is_exact(tiny_config, tmp_path, schedule, update
 
 
 def test_non_finite_loss_stops_with_a_clear_reason(tiny_config, tmp_path):
-    from mtbert.step.trainer import NonFiniteLossError
+    from mtbert.loop.trainer import NonFiniteLossError
     cfg = tiny_config(epochs=1, eval_dev=False, schedule="sequential")
     trainer = Trainer(cfg, load_data(cfg), tmp_path)
     with __import__("torch").no_grad():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mtbert.data import load_data
-from mtbert.step.trainer import Trainer
+from mtbert.loop.trainer import Trainer
 
 
 def test_checkpoint_weights_are_an_exported_model_and_apart_from_the_state(tiny_config,

@@ -69,7 +69,7 @@ def test_the_exit_tells_a_thread_that_was_never_stopped_to_stop():
 
 def test_a_trainer_stops_at_the_step_where_it_is_asked_to(tiny_config, tmp_path):
     from mtbert.data import load_data
-    from mtbert.step.trainer import Trainer
+    from mtbert.loop.trainer import Trainer
 
     cfg = tiny_config(epochs=3, eval_dev=False, eval_every=0, schedule="round_robin")
     asked = []

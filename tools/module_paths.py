@@ -5,7 +5,7 @@
     python tools/module_paths.py --imports-only FILE...  # import statements only
 
 Until 2026-11-29 the trainer's modules sat flat in ``mtbert/`` (``mtbert.trainer``,
-``mtbert/trial_run.py``); now each is in the folder of its layer (``mtbert.step.trainer``,
+``mtbert/trial_run.py``); now each is in the folder of its layer (``mtbert.loop.trainer``,
 ``mtbert/run/trial_run.py``; docs/architecture.md, "Layers").  The map is read from the
 tree: every module of the folders below.  Rewritten: dotted paths (``mtbert.smart``,
 ``mtbert.smart.SmartRegulariser``), file paths (``mtbert/smart.py``) and ``from mtbert
@@ -24,7 +24,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtbert"
 #: the folders the flat modules went to (data/ and tune/ were folders before)
-FOLDERS = ["core", "model", "techniques", "run", "step"]
+FOLDERS = ["core", "model", "techniques", "run", "step", "loop"]
 
 
 def module_folders(root: Path = PACKAGE) -> dict[str, str]:

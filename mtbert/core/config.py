@@ -41,11 +41,11 @@ def _meta(doc: str, *, low: float | None = None, high: float | None = None,
       set by this (a space may not search it);
     - ``run_per_search``: the budget or the driver sets it for every trial, by this;
     - ``in_step_graphs=False``: a worker's kept step graphs do not hold it, so the next
-      trial may differ in it and still replay them (mtbert/run/graph_reuse.py);
+      trial may differ in it and still replay them (mtbert/loop/graph_reuse.py);
     - ``perturbed``: PBT and PB2 perturb it, in this order among the perturbed fields;
     - ``resume_may_change``: it never changes the shape of the saved state;
     - ``fused_per_trial``: the step's structure holds it, but fused trials (of one
-      structure, mtbert/step/fused_training.py) each keep their own value of it."""
+      structure, mtbert/loop/training_group.py) each keep their own value of it."""
     return {"doc": doc, "low": low, "high": high, "low_open": low_open,
             "data_per_search": data_per_search, "run_per_search": run_per_search,
             "in_step_graphs": in_step_graphs, "perturbed": perturbed,

@@ -63,6 +63,13 @@ def prefer_stable_attention_kernels() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def check_step_mode(mode: str, device: torch.device) -> None:
+    """ConfigError (key ``step_mode``) for ``step_mode=graphs`` off CUDA."""
+    if mode == "graphs" and device.type != "cuda":
+        raise ConfigError(f"step_mode=graphs needs a CUDA device; the device is "
+                          f"{device.type} (use step_mode=auto or eager)", key="step_mode")
+
+
 def check_compile_mode(mode: str, device: torch.device) -> None:
     """ConfigError (key ``compile``) when ``device`` cannot run ``compile=mode``."""
     if mode == "none":

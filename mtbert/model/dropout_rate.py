@@ -5,7 +5,7 @@ it replays that rate for ever, and one module cannot drop N stacked trials at th
 rates.  :class:`RateDropout` reads the rate from tensors (buffers of the module, shared by
 every dropout the ``dropout`` setting governs): a 0-d rate for one trial, so a graph
 captured in one run replays another run's rate after :meth:`DropoutRate.fill` -- what lets
-a reused worker keep its graphs for the next trial (``mtbert.run.graph_reuse``) --; an ``[N]``
+a reused worker keep its graphs for the next trial (``mtbert.loop.graph_reuse``) --; an ``[N]``
 rate in a fused model's skeleton (:mod:`mtbert.step.fused_model`), where ``vmap`` hands each
 trial its own 0-d slice.  Written once for both.
 

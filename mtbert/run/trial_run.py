@@ -6,9 +6,10 @@ updates), its data order (batchers) and task schedule, its counters, reports and
 check, and when it evaluates and checkpoints.  Beside it, the scoring and the records of an
 evaluation (:mod:`mtbert.run.evaluation`) and what a checkpoint holds, its writing and
 reporting and its restore (:mod:`mtbert.run.checkpoint`).  A step engine
-(:mod:`mtbert.step.step_engine`) trains its updates: the eager or graphed one of a
-:class:`~mtbert.step.trainer.Trainer`, or the fused one of a group
-(:mod:`mtbert.step.fused_training`).  The run is step-driven::
+(:mod:`mtbert.step.step_engine`) trains its updates, driven by the one training loop
+(:class:`~mtbert.loop.training_group.TrainingGroup`): the eager or graphed engine of a
+:class:`~mtbert.loop.trainer.Trainer`, or the fused one of a group.  The run is
+step-driven::
 
     trial.start(step_name)                 # progress line; evaluation at 0 examples
     while (batches := trial.next_update()) is not None:
@@ -42,13 +43,13 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from mtbert.run import graph_reuse
 from mtbert.core.atomic import atomic_write_json
 from mtbert.run.checkpoint import (COUNTERS, CheckpointContents, CheckpointFolder, ReportFn,
                                TrainingParts, evaluation_writes_checkpoint, restore_checkpoint)
@@ -56,11 +57,10 @@ from mtbert.core.config import TrainConfig
 from mtbert.model.cosine_init import fit_qqp_cosine
 from mtbert.data import (MultitaskData, SharedBuckets, TaskBatcher, collate, encoding_for,
                          eval_rows, eval_token_cap, real_rows)
-from mtbert.core.devices import (check_compile_mode, compile_model, resolve_device, to_device,
-                                  uses_bf16)
-from mtbert.model.dropout_rate import hold_dropout_in_tensor
+from mtbert.core.devices import (check_compile_mode, check_step_mode, compile_model,
+                                 resolve_device, to_device, uses_bf16)
+from mtbert.model.dropout_rate import DropoutRate, hold_dropout_in_tensor
 from mtbert.model.fused_attention import draw_attention_from
-from mtbert.core.errors import ConfigError
 from mtbert.techniques.gradients import build_gradient_combiner
 from mtbert.run.evaluation import Scoring, append_history, progress_line, train_losses
 from mtbert.techniques.losses import build_loss_combiner
@@ -69,7 +69,7 @@ from mtbert.run.metrics import scalar_metrics
 from mtbert.model.model import MultitaskModel
 from mtbert.techniques.pretrain import run_pretraining
 from mtbert.techniques.task_schedules import build_schedule, super_batches
-from mtbert.techniques.smart import build_regulariser
+from mtbert.techniques.smart import SmartRegulariser, build_regulariser
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.core.trial_streams import trial_generator
 from mtbert.run.training_state import CheckpointWriter
@@ -84,10 +84,7 @@ class NonFiniteLossError(RuntimeError):
 def static_max_length(cfg: TrainConfig, device: torch.device, max_length: int) -> int:
     """The static max length, 0 for batch padding.  ``pad_lengths``: static lengths and
     fixed batch sizes where shapes are costly (CUDA), the batch's longest row where padding
-    is compute (CPU).  ConfigError (key ``step_mode``) for ``step_mode=graphs`` off CUDA."""
-    if cfg.step_mode == "graphs" and device.type != "cuda":
-        raise ConfigError(f"step_mode=graphs needs a CUDA device; the device is "
-                          f"{device.type} (use step_mode=auto or eager)", key="step_mode")
+    is compute (CPU)."""
     buckets = cfg.pad_lengths == "buckets" or (cfg.pad_lengths == "auto"
                                                and device.type == "cuda")
     return max_length if buckets else 0
@@ -106,24 +103,40 @@ def next_eval_point(seen: int, every: int, growth: float = 1.0) -> int:
     return point
 
 
+@dataclass
+class RunParts:
+    """What a run that ended leaves for the next run of the same structure in its process
+    (a captured step reads these tensors): its model (with the rate-tensor dropouts), loss
+    weighting, SMART regulariser (or None) and dropout rate."""
+    model: MultitaskModel
+    loss_combiner: torch.nn.Module
+    regulariser: SmartRegulariser | None
+    dropout_rate: DropoutRate
+
+    @classmethod
+    def of(cls, run: TrialRun) -> RunParts:
+        return cls(run.model, run.loss_combiner, run.regulariser, run.dropout_rate)
+
+
 class TrialRun:
     """One trial's state and bookkeeping (see the module doc); no step of its own."""
 
     def __init__(self, cfg: TrainConfig, data: MultitaskData, out_dir: str | Path,
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None, checkpoints: bool = True,
-                 stop_requested: Callable[[], bool] | None = None, graphs: bool = False,
-                 kept: graph_reuse.KeptStep | None = None,
+                 stop_requested: Callable[[], bool] | None = None, capturable: bool = False,
+                 reused: RunParts | None = None,
                  threads_wanted: Callable[[], int] | None = None):
         """``checkpoints=False``: evaluations write no ``out_dir/checkpoint`` unless a
         ``report`` callback takes it (for callers that never resume, e.g. benchmarks).
         ``stop_requested``: asked after every schedule step; True stops the run there with
         ``SystemExit(0)``, as a stop from Ray's report does.  ``threads_wanted``: asked
         after every schedule step; the torch CPU threads to train on from there
-        (:attr:`threads`).  ``graphs``: the run's step
-        will be captured (a capturable optimizer, rates in device tensors); ``kept``: the
-        model, loss weighting and regulariser this worker's previous run of the same
-        structure left, which this run takes with its own initial values."""
+        (:attr:`threads`).  ``capturable``: every value a step reads lives in a device
+        tensor (a capturable optimizer, the dropout rate and SMART's values), so that an
+        engine may capture the step; ``reused``: the model, loss weighting, regulariser and
+        dropout rate an earlier run of the same structure left, which this run takes with
+        its own initial values."""
         setup_started = time.perf_counter()
         self.cfg = cfg
         self.data = data
@@ -134,6 +147,7 @@ class TrialRun:
         self.threads_wanted = threads_wanted
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
+        check_step_mode(cfg.step_mode, self.device)
         self.static_max_length = static_max_length(cfg, self.device, data.max_length)
         self.eval_max_tokens = eval_token_cap(cfg.eval_batch_tokens, self.device.type)
         self.eval_rows = eval_rows(cfg.eval_batch_size, self.device.type)
@@ -141,15 +155,15 @@ class TrialRun:
             torch.set_num_threads(cfg.threads)
         self.threads = torch.get_num_threads()  # of this thread, the one that trains
         torch.manual_seed(cfg.seed)
-        self._build_model(model or MultitaskModel.from_config(cfg), kept, graphs)
+        self._build_model(model or MultitaskModel.from_config(cfg), reused, capturable)
         if resume_from is None:
             self._prepare_fresh_model()
-        self._build_loss_parts(kept, graphs)
+        self._build_loss_parts(reused, capturable)
         self._build_batching()
         # the fused kernel updates all 22M MiniLM parameters in ~15 ms on one CPU thread,
         # the default for-loop implementation in ~190 ms (a large share of a training step)
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, fused=True,
-                                           capturable=graphs)
+                                           capturable=capturable)
         self.configured_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.total_steps, total_examples = self._count_optimizer_steps()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.total_steps,
@@ -174,20 +188,21 @@ class TrialRun:
         self.checkpoint_writer = CheckpointWriter()
 
     # ------------------------------------------------------------------ setup
-    def _build_model(self, fresh: MultitaskModel, kept: graph_reuse.KeptStep | None,
-                     graphs: bool) -> None:
-        """The model on the device: ``fresh``, or the kept one with ``fresh``'s weights
-        copied in (in place: the kept graphs read those tensors).  On CUDA and under
-        graphs the ``dropout`` rate is a device tensor (:mod:`mtbert.model.dropout_rate`)."""
+    def _build_model(self, fresh: MultitaskModel, reused: RunParts | None,
+                     capturable: bool) -> None:
+        """The model on the device: ``fresh``, or the reused one with ``fresh``'s weights
+        copied in (in place: a captured step reads those tensors).  On CUDA and where the
+        step is capturable the ``dropout`` rate is a device tensor
+        (:mod:`mtbert.model.dropout_rate`)."""
         self.dropout_rate = None
-        if kept is not None:
-            kept.model.load_state_dict(fresh.state_dict())
-            kept.dropout_rate.fill(self.cfg.dropout)
-            self.model, self.dropout_rate = kept.model, kept.dropout_rate
+        if reused is not None:
+            reused.model.load_state_dict(fresh.state_dict())
+            reused.dropout_rate.fill(self.cfg.dropout)
+            self.model, self.dropout_rate = reused.model, reused.dropout_rate
             self.dropouts = self.dropout_rate
             return
         self.model = fresh.to(self.device)
-        if graphs or self.device.type == "cuda":
+        if capturable or self.device.type == "cuda":
             self.dropout_rate = hold_dropout_in_tensor(self.model, self.cfg.dropout,
                                                        self.device)
         #: the dropouts the ``dropout`` setting governs (drawing from the trial's stream)
@@ -195,19 +210,19 @@ class TrialRun:
             self.model, self.cfg.dropout, self.device, number=True)
         draw_attention_from(self.model, self.dropouts.generators, self.device)
 
-    def _build_loss_parts(self, kept: graph_reuse.KeptStep | None, graphs: bool) -> None:
-        """Loss weighting, gradient combiner and SMART regulariser; a kept step's weighting
+    def _build_loss_parts(self, reused: RunParts | None, capturable: bool) -> None:
+        """Loss weighting, gradient combiner and SMART regulariser; reused parts' weighting
         and regulariser take this run's initial state and values in place."""
         cfg = self.cfg
         self.loss_combiner = build_loss_combiner(cfg).to(self.device)
         self.grad_combiner = build_gradient_combiner(cfg)
-        if kept is None:
+        if reused is None:
             self.regulariser = build_regulariser(cfg, self.model)
-            if graphs and self.regulariser is not None:
+            if capturable and self.regulariser is not None:
                 self.regulariser.hold_in_tensors(self.device)
             return
-        kept.loss_combiner.load_state_dict(self.loss_combiner.state_dict())
-        self.loss_combiner, self.regulariser = kept.loss_combiner, kept.regulariser
+        reused.loss_combiner.load_state_dict(self.loss_combiner.state_dict())
+        self.loss_combiner, self.regulariser = reused.loss_combiner, reused.regulariser
         if self.regulariser is not None:
             self.regulariser.refill(cfg, self.model)
 

@@ -18,7 +18,7 @@ slice (the trials share no weight, so no gradient crosses between slices).
 Per-trial values read as tensors with the trial axis: the dropout rate
 (:class:`~mtbert.model.dropout_rate.RateDropout` with ``[N]`` rate buffers, the module a solo
 run on CUDA drops with at its 0-d rate) here; the learning rates, weight decay, clipping
-and loss weights in :mod:`mtbert.step.fused_training`, :mod:`mtbert.techniques.trial_adamw` and
+and loss weights in :mod:`mtbert.loop.training_group`, :mod:`mtbert.techniques.trial_adamw` and
 :mod:`mtbert.techniques.losses`, SMART's in
 :meth:`mtbert.techniques.smart.SmartRegulariser.stacked` (which runs its forwards through
 :meth:`FusedModel.map`).

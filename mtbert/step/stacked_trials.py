@@ -29,7 +29,7 @@ from mtbert.core.trial_streams import group_generator
 from mtbert.techniques.trial_adamw import STATE_KEYS, TrialAdamW
 from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.step.fused_model import FusedModel, stack_batches
-from mtbert.step.step_graphs import reached_parameters
+from mtbert.step.step_engine import reached_parameters
 from mtbert.techniques.gradients import random_orders, trial_orders
 from mtbert.techniques.losses import stack_combiners, weight_penalty
 from mtbert.techniques.smart import SmartRegulariser

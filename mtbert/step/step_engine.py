@@ -139,3 +139,19 @@ class OneTrial:
 
     def losses_of(self, losses, batches):
         return {self.trial: losses}
+
+
+def reached_parameters(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors whose gradient ``loss.backward()`` would set (the
+    AccumulateGrad nodes of its autograd graph)."""
+    found, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found

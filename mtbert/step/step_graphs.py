@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mtbert.step.step_engine import task_loss_terms
+from mtbert.step.step_engine import reached_parameters, task_loss_terms
 
 #: eager steps of a graph's structure before it is captured
 WARMUP_STEPS = 2
@@ -53,22 +53,6 @@ WARMUP_STEPS = 2
 def batch_shapes(batch: dict[str, torch.Tensor]) -> tuple:
     """The shapes and dtypes of a batch's tensors: a task graph serves batches alike."""
     return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
-
-
-def reached_parameters(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors whose gradient ``loss.backward()`` would set (the
-    AccumulateGrad nodes of its autograd graph)."""
-    found, seen, stack = set(), set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            found.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
 
 
 class GraphRngReplay:
@@ -153,7 +137,7 @@ class StepGraphs:
         tensor learning rates -- is tested where CI runs).  ``kept``: the step graphs of this
         worker's previous trainer of the same structure, whose task graphs (and the
         trainer's model, loss weighting and regulariser they read) this one replays
-        (:mod:`mtbert.run.graph_reuse`); its optimizer graphs are captured anew."""
+        (:mod:`mtbert.loop.graph_reuse`); its optimizer graphs are captured anew."""
         self.t = trainer
         self.device = trainer.device
         self.cuda = self.device.type == "cuda"

@@ -34,7 +34,7 @@ divergences and the teacher's EMA (:func:`teacher_ema_`) are written once, for o
 trial's ``[rows, tokens, hidden]`` embeddings and for N stacked trials'
 ``[N, rows, tokens, hidden]`` with each trial's η, ε and β as tensors, and so is the term
 that runs them: :class:`SmartRegulariser`, of one trial (its model) or of the trials of a
-fused step (:meth:`SmartRegulariser.stacked`, :mod:`mtbert.step.fused_training`).
+fused step (:meth:`SmartRegulariser.stacked`, :mod:`mtbert.loop.training_group`).
 
 Cost.  One SMART step adds an ascent forward + a backward to the embeddings only,
 an adversarial forward + its backward, and (μ > 0) one no-grad teacher forward.
@@ -277,7 +277,7 @@ class SmartRegulariser:
     ``[N]`` tensor, the teacher ``[N, ...]`` (each trial's own holding views of its slices);
     :meth:`task_losses` gives each trial's L_t plus its term, :meth:`after_step` the
     stacked weights and who stepped.  Which terms are on (λ_t > 0, μ > 0) and the number of
-    ascent steps are the trials' structure (:func:`mtbert.run.graph_reuse.structure`)."""
+    ascent steps are the trials' structure (:func:`mtbert.loop.graph_reuse.structure`)."""
 
     def __init__(self, cfg: TrainConfig, model: nn.Module):
         self.settings = SmartSettings.of(cfg)

@@ -1,6 +1,6 @@
 """The fused path's trainer (``--fuse on``): one long-lived Ray actor per GPU (one on a
 CPU-only cluster) that trains the trials Tune hands it as fused groups
-(:class:`~mtbert.step.fused_training.FusedGroup`, one per :func:`~mtbert.step.fused_training.fuse_key`).
+(:class:`~mtbert.loop.training_group.TrainingGroup`, one per :func:`~mtbert.loop.training_group.fuse_key`).
 
 It gets the tokenised data once, when it starts.  A thin Tune trial
 (:mod:`.fused_trainable`) joins with its config (and the checkpoint Tune restores it from),
@@ -15,8 +15,9 @@ trial (the trial's next evaluation writes a new one) and deleted once forwarded.
 One loop thread does all torch work: it builds the joining trials, steps each group's
 trials that are not held, and ends the trials whose thin trial left or stopped polling for
 :data:`STALE_S` seconds (Tune ended its process); the others go on.  A trial that cannot
-fuse (:func:`~mtbert.step.fused_training.unfusable`: a compiled or graphed step, an encoder
-other than BERT) trains alone in the trainer, stepped by its own engine (:class:`AloneGroup`), in turn with the groups.
+fuse (:func:`~mtbert.loop.training_group.unfusable`: a compiled or graphed step, an encoder
+other than BERT) trains alone in the trainer, a group of one stepped by its own engine
+(a :class:`~mtbert.loop.trainer.Trainer`'s), in turn with the groups.
 
 Should the trainer's process die (a crash, ``kill -9``, its GPU lost), Ray restarts the
 actor under its name (:data:`TRAINER_RESTARTS`; :mod:`.trainer_pool` keeps what its
@@ -81,7 +82,7 @@ class GroupTrainer:
         self.stale_s = stale_s
         self.seats: dict[str, Seat] = {}     # Tune trial id -> its latest join
         self.departing: list[Seat] = []      # earlier joins of re-joined trials, leaving
-        self.groups: dict[tuple, Any] = {}   # fuse_key -> FusedGroup
+        self.groups: dict[tuple, Any] = {}   # fuse_key -> TrainingGroup
         self.joins = 0
         self.largest = 0                     # most trials one group held at once
         self.formed = 0                      # groups formed
@@ -95,7 +96,7 @@ class GroupTrainer:
     # ------------------------------------------------------------ the thin trials' calls
     def fit_score(self, cfg_values: dict) -> tuple[int, int]:
         """How well a trial fits here (higher first): a group of its structure, then load."""
-        from mtbert.step.fused_training import fuse_key  # deferred: torch
+        from mtbert.loop.training_group import fuse_key  # deferred: torch
         key = fuse_key(TrainConfig.from_dict(cfg_values))
         with self.cond:
             running = sum(s.end is None for s in self.seats.values())
@@ -242,16 +243,16 @@ class GroupTrainer:
         the fused trainer) and, on a GPU, the CUDA context."""
         import torch  # deferred: torch
 
-        import mtbert.step.fused_training  # noqa: F401  (deferred: torch, transformers)
-        import mtbert.step.trainer  # noqa: F401
+        import mtbert.loop.training_group  # noqa: F401  (deferred: torch, transformers)
+        import mtbert.loop.trainer  # noqa: F401
         if self.threads:
             torch.set_num_threads(self.threads)
         if torch.cuda.is_available():
             torch.zeros(1, device="cuda")
 
     def _join(self, seat: Seat) -> None:
-        from mtbert.step.fused_training import FusedGroup, eager, fuse_key, unfusable  # deferred: torch
-        from mtbert.step.trainer import Trainer  # deferred: torch
+        from mtbert.loop.training_group import TrainingGroup, eager, fuse_key, unfusable  # deferred: torch
+        from mtbert.loop.trainer import Trainer  # deferred: torch
         from mtbert.run.trial_run import TrialRun  # deferred: torch
         try:
             alone = unfusable(seat.cfg)
@@ -267,13 +268,11 @@ class GroupTrainer:
         key = ("alone", seat.gid) if alone else fuse_key(seat.cfg)
         if alone:
             print(f"[tune] trial {seat.gid} trains alone: {alone}", flush=True)
-            self.groups[key] = AloneGroup()
             self.alone += 1
         elif key not in self.groups:
-            self.groups[key] = FusedGroup()
             self.formed += 1
-        group = self.groups[key]
-        group.add(run, trial_id=seat.gid)
+        group = self.groups.setdefault(key, TrainingGroup())
+        group.add(run, trial_id=seat.gid, engine=run.engine if alone else None)
         self.largest = max(self.largest, len(group.trials))
         with self.cond:
             seat.key, seat.ready_at = key, time.time()
@@ -337,38 +336,6 @@ class GroupTrainer:
             if how["reason"] == "stopped":  # nobody forwards its reports any more
                 shutil.rmtree(seat.out_dir, ignore_errors=True)
             self.cond.notify_all()
-
-
-class AloneGroup:
-    """A trial that cannot fuse, stepped by its own engine (a
-    :class:`~mtbert.step.trainer.Trainer`'s) as the trainer steps a group: one step a call."""
-
-    def __init__(self):
-        self.trials: dict[str, Any] = {}
-        self._started = False
-
-    def add(self, trial, trial_id: str) -> None:
-        self.trials[trial_id] = trial
-
-    def step_once(self, ids: list[str]) -> dict[str, Any]:
-        """One step of its trial (as Trainer.fit takes it); {id: TrialEnd} once it ends."""
-        from mtbert.step.fused_training import TrialEnd  # deferred: torch
-        (trial_id, trial), = self.trials.items()
-        try:
-            if not self._started:
-                self._started = True
-                trial.start()
-            if trial.train_one_update():
-                return {}
-            end = TrialEnd("finished", metrics=trial.finish())
-        except (Exception, SystemExit) as exc:
-            trial.close()
-            end = TrialEnd("stopped" if isinstance(exc, SystemExit) else "failed", error=exc)
-        del self.trials[trial_id]
-        return {trial_id: end}
-
-    def remove(self, trial_id: str) -> None:
-        self.trials.pop(trial_id).close()
 
 
 def _how(end) -> dict:

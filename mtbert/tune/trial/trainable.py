@@ -1,4 +1,4 @@
-"""The Ray Tune function trainable: one trial = one :class:`~mtbert.step.trainer.Trainer` run.
+"""The Ray Tune function trainable: one trial = one :class:`~mtbert.loop.trainer.Trainer` run.
 
 ``tune.with_parameters(train_trial, data=..., base=...)`` puts the tokenised
 :class:`~mtbert.data.MultitaskData` into Ray's object store once; every trial gets it
@@ -112,7 +112,7 @@ def train_trial(config: dict[str, Any], data=None, base: dict[str, Any] | None =
         mark_failed(marker, str(exc))
         raise
     except Exception as exc:
-        from mtbert.step.trainer import NonFiniteLossError  # deferred: torch
+        from mtbert.loop.trainer import NonFiniteLossError  # deferred: torch
         if isinstance(exc, NonFiniteLossError):
             mark_failed(marker, f"non-finite loss: {exc}")
             raise TrialFailed(f"non-finite loss: {exc}") from None
@@ -227,7 +227,7 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
 
     import transformers
 
-    from mtbert.step.trainer import Trainer  # deferred: torch, transformers
+    from mtbert.loop.trainer import Trainer  # deferred: torch, transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -22,10 +22,11 @@ weights and the same random numbers (``tests/test_graph_reuse.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from mtbert.core.config import NOT_IN_STEP_GRAPHS
 from mtbert.core.tasks import TASK_NAMES
+from mtbert.run.trial_run import RunParts
+from mtbert.step.step_graphs import StepGraphs
 
 
 def structure(cfg) -> tuple:
@@ -39,14 +40,11 @@ def structure(cfg) -> tuple:
 
 @dataclass
 class KeptStep:
-    """What a trainer leaves for the next: its model (with the rate-tensor dropouts), loss
-    weighting, SMART regulariser (or None), dropout rate and step graphs."""
+    """What a trainer leaves for the next: its run's parts (model with the rate-tensor
+    dropouts, loss weighting, SMART regulariser, dropout rate) and its step graphs."""
     structure: tuple
-    model: Any
-    loss_combiner: Any
-    regulariser: Any
-    dropout_rate: Any
-    step_graphs: Any
+    parts: RunParts
+    step_graphs: StepGraphs
 
 
 _kept: KeptStep | None = None

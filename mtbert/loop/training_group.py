@@ -1,32 +1,36 @@
-"""Train N configurations at once: those of one structure fused into one model.
+"""The one training loop: trials started, stepped by one engine, evaluated and finished.
 
-:func:`train_fused` groups the configurations by :func:`fuse_key` (what the stacked step is
-built from: the model and its heads, the pair encoding, the losses and the gradient
-combiner, each task's batch size, the data); each group of two or more that can fuse
-trains as one :class:`FusedGroup`, every other configuration alone with the
-:class:`~mtbert.step.trainer.Trainer` (:func:`unfusable` says why, in one line).
+A :class:`TrainingGroup` trains the trials in it, a step at a time, each trial a
+:class:`~mtbert.run.trial_run.TrialRun`:
 
-Each trial of a group is a :class:`~mtbert.run.trial_run.TrialRun` built as its solo run
-builds it (initial weights from its seed, pre-training, batchers, schedule, LR schedule,
-optimizer), so each keeps everything a solo run has: its batches in its order, its
-evaluations, history, checkpoints, reports and predictions, in its own folder (the files
-of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared: the
-group's engine (:func:`group_step`) is the eager step (:mod:`mtbert.step.step_engine`) of
-the trials stacked on a trial axis (:mod:`mtbert.step.stacked_trials`), or, for a group of
-one, of the trial alone, as its solo run steps it.  Each trial advances one optimizer step
-per group step.
+* a solo trial with its own engine (:class:`~mtbert.loop.trainer.Trainer`: the eager step,
+  or its captured CUDA graphs), a group of one -- ``Trainer.fit`` is this loop;
+* trials of one structure (:func:`fuse_key`: the model and its heads, the pair encoding,
+  the losses and the gradient combiner, each task's batch size, the data) fused into one
+  stacked engine (:mod:`mtbert.step.stacked_trials`);
+* a trial that cannot fuse (:func:`unfusable` says why, in one line), trained alone with its
+  own engine in the fused path's trainer (``mtbert/tune/trial/group_trainer.py``).
 
-Events (:class:`FusedGroup`, driven a step at a time): between steps a trial joins
-(``add``, fresh or resumed), is stopped (``remove``) or paused (``pause``: a checkpoint of
-where it stands, to resume from).  A trial that reaches its end, diverges (a non-finite
-loss, found at its next check) or fails in its own part (its batches, evaluation, report)
-leaves alone.  A leaving trial's weights and moments become its own tensors again, and the
-group re-forms at its next step: the trials still there are stacked anew.  The others
-train on as without the event: the trials share no weight, so a trial's slice of the step
-(its gradient, its clipping norm, its update) depends on its own weights and batches only
--- a NaN stays in its slice -- and only the padding changes, which moves the sums by
-rounding at most (``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  An
-error in the shared step itself ends the group.
+Each trial of a fused group is a :class:`~mtbert.run.trial_run.TrialRun` built as its solo
+run builds it (initial weights from its seed, pre-training, batchers, schedule, LR
+schedule, optimizer), so each keeps everything a solo run has: its batches in its order,
+its evaluations, history, checkpoints, reports and predictions, in its own folder (the
+files of a solo run; a checkpoint resumes solo or in a group).  Only the step is shared:
+the group's engine (:func:`group_step`) is the eager step (:mod:`mtbert.step.step_engine`)
+of the trials stacked on a trial axis, or, for a group of one, of the trial alone, as its
+solo run steps it.  Each trial advances one optimizer step per group step.
+
+Events (driven a step at a time): between steps a trial joins (``add``, fresh or resumed),
+is stopped (``remove``) or paused (``pause``: a checkpoint of where it stands, to resume
+from).  A trial that reaches its end, diverges (a non-finite loss, found at its next check)
+or fails in its own part (its batches, evaluation, report) leaves alone.  A leaving
+trial's weights and moments become its own tensors again, and the group re-forms at its
+next step: the trials still there are stacked anew.  The others train on as without the
+event: the trials share no weight, so a trial's slice of the step (its gradient, its
+clipping norm, its update) depends on its own weights and batches only -- a NaN stays in
+its slice -- and only the padding changes, which moves the sums by rounding at most
+(``tests/test_fused.py``: float64, within 1e-8 of the solo runs).  An error in the shared
+step itself ends the group.
 
 Each trial draws from its own random stream (``TrialRun.generator``,
 :mod:`mtbert.core.trial_streams`): its SMART noise and PCGrad task orders, as its solo run
@@ -45,21 +49,20 @@ from typing import Hashable
 
 import torch
 
-from mtbert.run import graph_reuse
+from mtbert.loop import graph_reuse
 from mtbert.core.config import DATA_PER_SEARCH, FUSED_PER_TRIAL, TrainConfig
 from mtbert.data import MultitaskData, SharedBuckets
 from mtbert.step.fused_model import FUSABLE_MODEL_TYPES
 from mtbert.core.pretrained import load_model_config
 from mtbert.step.stacked_trials import StackedTrials
-from mtbert.step.step_engine import EagerStep, OneTrial
+from mtbert.step.step_engine import EagerStep, OneTrial, StepEngine
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.step.trainer import Trainer
-from mtbert.run.trial_run import Batches, NonFiniteLossError, TrialRun
+from mtbert.run.trial_run import Batches, TrialRun
 
 
 def fuse_key(cfg: TrainConfig) -> tuple:
     """Trials with equal keys train as one fused model: the step's structure
-    (:func:`mtbert.run.graph_reuse.structure`, less :data:`~mtbert.core.config.FUSED_PER_TRIAL`: the
+    (:func:`mtbert.loop.graph_reuse.structure`, less :data:`~mtbert.core.config.FUSED_PER_TRIAL`: the
     fixed loss weights), each task's batch size, the length buckets (a step's trials share
     one: ``SharedBuckets``) and the settings that shape the data (one ``MultitaskData``
     serves the group: :data:`~mtbert.core.config.DATA_PER_SEARCH`)."""
@@ -137,7 +140,7 @@ class TrialEnd:
     """How a trial left its group: ``finished`` (its final metrics), ``failed`` (the error
     that ended it: a non-finite loss, an error in its own evaluation or report),
     ``stopped`` (by its ``stop_requested`` or report -- ``error`` the SystemExit -- or by
-    :meth:`FusedGroup.remove`), ``paused`` (the checkpoint it resumes from)."""
+    :meth:`TrainingGroup.remove`), ``paused`` (the checkpoint it resumes from)."""
     reason: str
     metrics: dict | None = None
     error: BaseException | None = None
@@ -145,20 +148,21 @@ class TrialEnd:
 
     @property
     def result(self) -> dict | BaseException | "TrialEnd":
-        """What :meth:`FusedGroup.fit` returns for it: the final metrics, the error, or
+        """What :meth:`TrainingGroup.fit` returns for it: the final metrics, the error, or
         this record (stopped or paused by the group's owner)."""
         if self.metrics is not None:
             return self.metrics
         return self.error if self.error is not None else self
 
 
-class FusedGroup:
-    """Trials of one structure trained together, one engine for all (see the
-    module doc).  Step-driven: :meth:`step_once` / :meth:`run_steps` step every trial in
-    the group once; between steps a trial may join (:meth:`add`), leave (:meth:`remove`)
-    or pause (:meth:`pause`), and the group re-forms at its next step.  A trial that ends
-    -- its end reached, a non-finite loss, an error in its own bookkeeping, a stop -- leaves
-    alone; the others go on as they would without it.  :meth:`fit` runs to the end.
+class TrainingGroup:
+    """Trials of one structure trained together, one engine for all, or one trial with its
+    own engine (see the module doc).  Step-driven: :meth:`step_once` / :meth:`run_steps`
+    step every trial in the group once; between steps a trial may join (:meth:`add`), leave
+    (:meth:`remove`) or pause (:meth:`pause`), and the group re-forms at its next step.  A
+    trial that ends -- its end reached, a non-finite loss, an error in its own bookkeeping,
+    a stop -- leaves alone; the others go on as they would without it.  :meth:`fit` runs to
+    the end.
 
     ``cfgs``, ``out_dirs``: trials built here (ids 0, 1, ...), each as its solo run builds
     it; ``models``: their initial models (default: built from their seeds);
@@ -171,22 +175,28 @@ class FusedGroup:
         self.ended: dict[Hashable, TrialEnd] = {}
         self.joined: list[Hashable] = []            # every id the group has held, in order
         self.key: tuple | None = None
-        self.engine: EagerStep | None = None        # None: (re-)formed at the next step
+        self.engine: StepEngine | None = None       # None: (re-)formed at the next step
+        self.own_engine: StepEngine | None = None   # a trial's own engine (it trains alone)
         self._started: set[Hashable] = set()
         for i, (cfg, out) in enumerate(zip(cfgs, out_dirs)):
             self.add(TrialRun(eager(cfg), data, out, model=None if models is None
                               else models[i], **trial_options))
 
-    def add(self, trial: TrialRun, trial_id: Hashable | None = None) -> Hashable:
+    def add(self, trial: TrialRun, trial_id: Hashable | None = None,
+            engine: StepEngine | None = None) -> Hashable:
         """``trial`` (fresh or resumed, built with ``step_mode`` eager) joins at the next
-        step; returns its id (default: the next integer)."""
-        key = fuse_key(trial.cfg)
+        step; returns its id (default: the next integer).  ``engine``: the trial's own (a
+        :class:`~mtbert.loop.trainer.Trainer`'s, eager or captured graphs): it trains alone,
+        the group's one trial."""
+        if self.own_engine is not None or (engine is not None and self.trials):
+            raise ValueError("a trial with its own engine trains alone: a group of one")
+        key = fuse_key(trial.cfg) if engine is None else ("own engine",)
         if self.key is not None and key != self.key:
             raise ValueError("a fused group's trials must share one structure (fuse_key)")
         trial_id = len(self.joined) if trial_id is None else trial_id
         if trial_id in self.trials or trial_id in self.ended:
             raise ValueError(f"trial id {trial_id!r} is taken in this group")
-        self.key = key
+        self.key, self.own_engine = key, engine
         self.trials[trial_id] = trial
         self.joined.append(trial_id)
         self._reform()
@@ -223,7 +233,8 @@ class FusedGroup:
         trial = self.trials.pop(trial_id)
         if end.reason != "finished":
             trial.close()
-        own_tensors(trial)
+        if self.own_engine is None:  # its own engine's tensors are its own
+            own_tensors(trial)
         self._reform()
         self.ended[trial_id] = end
         return end
@@ -250,7 +261,7 @@ class FusedGroup:
 
     def fit(self) -> list[dict | BaseException | TrialEnd]:
         """Train every trial to its end; each one's :attr:`TrialEnd.result` in join order:
-        its final metrics (as :meth:`Trainer.fit` returns them) or the error that ended it."""
+        its final metrics or the error that ended it."""
         try:
             while self.trials:
                 self.step_once()
@@ -271,7 +282,8 @@ class FusedGroup:
             try:
                 if trial_id not in self._started:
                     self._started.add(trial_id)
-                    trial.start(f"fused ({len(self.trials)} trials)")
+                    trial.start(None if self.own_engine is not None
+                                else f"fused ({len(self.trials)} trials)")
                 update = trial.next_update(buckets)
                 metrics = trial.finish() if update is None else None
                 if update is None:
@@ -283,7 +295,7 @@ class FusedGroup:
         if not batches:
             return ended
         if self.engine is None:
-            self.engine = group_step(list(self.trials.values()))
+            self.engine = self.own_engine or group_step(list(self.trials.values()))
         losses = self.engine.step({self.trials[i]: b for i, b in batches.items()})
         for trial_id in batches:
             trial = self.trials[trial_id]
@@ -292,27 +304,3 @@ class FusedGroup:
             except (Exception, SystemExit) as exc:
                 ended[trial_id] = self._failed(trial_id, exc)
         return ended
-
-
-def train_fused(cfgs: list[TrainConfig], data: MultitaskData, out_dirs: list[str | Path],
-                log=print) -> list[dict | BaseException]:
-    """Train every configuration into its folder (``out_dirs[i]``, the files of a solo
-    run): each fusable structure's configurations as one :class:`FusedGroup`, the others
-    alone (the reason logged).  Returns each one's final metrics or the error that stopped
-    it, in the order of ``cfgs``."""
-    results: list[dict | BaseException | None] = [None] * len(cfgs)
-    for members, reason in plan_groups(cfgs):
-        if reason is not None or len(members) == 1:
-            i = members[0]
-            if reason is not None:
-                log(f"[mtbert] {out_dirs[i]}: trains alone: {reason}")
-            try:
-                results[i] = Trainer(cfgs[i], data, out_dirs[i]).fit()
-            except NonFiniteLossError as exc:
-                results[i] = exc
-            continue
-        log(f"[mtbert] {len(members)} trials fused: {', '.join(str(out_dirs[i]) for i in members)}")
-        group = FusedGroup([cfgs[i] for i in members], data, [out_dirs[i] for i in members])
-        for i, result in zip(members, group.fit()):
-            results[i] = result
-    return results
