@@ -338,7 +338,7 @@ def process(args, configs: list[dict], threads: int, fused: bool = False, **more
     live = args.mode == "trainer"
     return {"configs": configs, "fused": fused, "threads": threads, "live": live,
             "eval": live, "rotate": False, "names": [], "steps": args.steps,
-            "warmup": args.warmup, "capture": fused and getattr(args, "capture", False),
+            "warmup": args.warmup, "capture": fused and args.capture,
             **more}
 
 
