@@ -399,7 +399,8 @@ def write_figures(args, runs: dict, docs: Path) -> None:
 
 # ---------------------------------------------------------------------- the command line
 def build_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
-    """The bench's settings (bench/rung_signal.py adds its own to them)."""
+    """The bench's settings (bench/search_extension.py gives its own description and
+    defaults)."""
     p = argparse.ArgumentParser(description=description)
     add_data_arguments(p)
     p.add_argument("--full-examples", type=int, default=2000,

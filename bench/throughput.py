@@ -8,8 +8,7 @@ drawn inside the timed window; ``fused``, N trials fused in one process against 
 N unfused, the steps drawn first, trained ``--warmup`` more times, then once more, timed;
 ``techniques``, each ``--technique`` alone in a process (memory, ops), then all in one,
 in turn on the same batches; ``layer``, one BERT layer fused over N (``vmap``) against N
-layers in turn; ``tasks``, the optimizer step alone per task against transformers'
-``Trainer`` (CPU).  MFU = useful FLOPs/s (6·N·T for the dense weights plus attention's
+layers in turn.  MFU = useful FLOPs/s (6·N·T for the dense weights plus attention's
 12·L·H·Σ s², real tokens only) over the measured matmul peak (fp32 CPU, bf16 GPU).
 """
 
@@ -34,8 +33,7 @@ import torch
 from bench.common import REPO, add_data_arguments, seconds, synchronize
 from mtbert.core.config import TrainConfig, parse_set_args
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.data import (SharedBuckets, TaskBatcher, collate, encoding_for, load_data,
-                         real_rows)
+from mtbert.data import SharedBuckets, load_data, real_rows
 from mtbert.step.step_counts import OpCounter, real_lengths, step_tokens
 
 _SMART = dict(smart_lambda_sst=1.0, smart_lambda_qqp=1.0, smart_lambda_sts=1.0)
@@ -45,8 +43,7 @@ TECHNIQUES = {"plain": {}, "smart": {**_SMART, "smart_mu": 1.0}, "smart_l": _SMA
               "pcgrad": {"pcgrad": True}, "both": {**_SMART, "smart_mu": 1.0, "pcgrad": True}}
 #: each mode's --trials, --steps and --warmup unless given
 DEFAULTS = {"trainer": ("1", 12, 4), "fused": ("1,2,4,8,16,32", 6, 2),
-            "techniques": ("1", 10, 0), "layer": ("1,2,4,8,16,32", 6, 2),
-            "tasks": ("1", 12, 2)}
+            "techniques": ("1", 10, 0), "layer": ("1,2,4,8,16,32", 6, 2)}
 #: what the fork server of the fused rows imports once (no CUDA use there)
 PRELOAD = ["torch", "transformers", "mtbert.loop.training_group", "mtbert.loop.trainer"]
 
@@ -516,121 +513,6 @@ def bench_layer(args, peak: float) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------ mode: tasks
-def bench_mtbert(trainer, task: str, bucketing: bool, steps: int, warmup: int):
-    split, enc = trainer.train_splits[task], trainer.encodings[task]
-    batcher = TaskBatcher(split, trainer.cfg.batch_size, enc, seed=0, bucketing=bucketing,
-                          bucket_batches=trainer.cfg.bucket_batches)
-    rows = trainer.cfg.batch_size if trainer.static_max_length else 0
-    batches = [collate(split, batcher.next_batch(), enc, trainer.data.pad_id,
-                       trainer.static_max_length, rows) for _ in range(warmup + steps)]
-    for b in batches[:warmup]:
-        trainer.train_batches({task: b})
-    timed = batches[warmup:]
-    took = seconds(trainer.device, lambda: [trainer.train_batches({task: b}) for b in timed])
-    trainer.check_losses()
-    return [real_lengths(b) for b in timed], sum(real_rows(b) for b in timed), took
-
-
-def bench_hf_trainer(model, cfg: TrainConfig, data, task: str, group_by_length: bool,
-                     steps: int, warmup: int):
-    """transformers' Trainer on the same model, data and loss; the lengths of the batches
-    its own sampler drew after ``warmup`` steps, and their seconds."""
-    from transformers import Trainer as HFTrainer, TrainerCallback, TrainingArguments
-
-    from mtbert.techniques.losses import task_loss
-
-    class TaskModule(torch.nn.Module):  # one task behind the (kwargs -> {'loss'}) interface
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, labels=None, **batch):
-            return {"loss": task_loss(task, self.model(task, batch), labels, cfg)}
-
-    split, enc = data.split(task, "train"), encoding_for(task, cfg.pair_encoding)
-    rows = [{"input_ids": (split.tokens.pair[i] if enc == "cross" else split.tokens.a[i]
-                           ).tolist(), "labels": split.labels[i].item()} for i in range(len(split))]
-    for i, row in enumerate(rows if enc == "cross" else ()):
-        row["token_type_ids"] = split.tokens.pair_types[i].tolist()
-    timing = {"seconds": 0.0, "step": 0, "lengths": []}
-
-    def collator(features):
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.full((len(features), width), data.pad_id, dtype=torch.long)
-        mask, types = torch.zeros_like(ids), torch.zeros_like(ids)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            ids[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), 1
-            if "token_type_ids" in f:
-                types[i, :n] = torch.tensor(f["token_type_ids"])
-        batch = {"input_ids": ids, "attention_mask": mask,
-                 "labels": torch.tensor([f["labels"] for f in features])}
-        if enc == "cross":
-            batch["token_type_ids"] = types
-        timing["lengths"].append(real_lengths(batch))  # the batches its own sampler drew
-        return batch
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            timing["t"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            timing["step"] += 1
-            if timing["step"] > warmup:
-                timing["seconds"] += time.perf_counter() - timing["t"]
-
-    # transformers 5 names the sampler choice train_sampling_strategy; 4.x had group_by_length
-    sampler = ({"train_sampling_strategy": "group_by_length" if group_by_length else "random"}
-               if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__
-               else {"group_by_length": group_by_length})
-    args = TrainingArguments(
-        output_dir=str(Path(tempfile.gettempdir()) / "mtbert-hf-bench"),
-        per_device_train_batch_size=cfg.batch_size, max_steps=warmup + steps,
-        learning_rate=cfg.lr, weight_decay=cfg.weight_decay, report_to=[], save_strategy="no",
-        logging_strategy="no", dataloader_num_workers=0, use_cpu=True, seed=0,
-        disable_tqdm=True, remove_unused_columns=False, **sampler)
-    torch.set_num_threads(cfg.threads)
-    HFTrainer(model=TaskModule(), args=args, train_dataset=rows, data_collator=collator,
-              callbacks=[StepTimer()]).train()
-    lengths = timing["lengths"][warmup:warmup + steps]
-    return lengths, sum(len(x) for x in lengths), timing["seconds"]
-
-
-def bench_tasks(args, peak: float) -> None:
-    from mtbert.loop.trainer import Trainer
-
-    cfg = TrainConfig(model=args.model, data_dir=args.data_dir, batch_size=args.batch_size,
-                      threads=args.threads, progress=False, eval_dev=False, dropout=0.1,
-                      device=args.device, pad_lengths=args.pad_lengths, compile=args.compile)
-    data = load_data(cfg)
-    skip_hf = args.skip_hf or args.device != "cpu"
-    print(f"{'task':5} {'runner':28} {'ex/s':>7} {'GFLOP/s':>8} {'MFU':>6}")
-    rates = {}
-    for task in TASK_NAMES:
-        torch.manual_seed(0)
-        trainer = Trainer(cfg, data, Path(tempfile.gettempdir()) / "mtbert-bench",
-                          checkpoints=False)
-        runs = [(f"mtbert {'bucketed' if b else 'unbucketed'}", bench_mtbert, b)
-                for b in (True, False)]
-        runs += [] if skip_hf else [(f"HF Trainer {'group_by_length' if g else 'default'}",
-                                     None, g) for g in (False, True)]
-        for label, fn, flag in runs:
-            lengths, examples, took = (
-                fn(trainer, task, flag, args.steps, args.warmup) if fn else
-                bench_hf_trainer(trainer.model, cfg, data, task, flag, args.steps, args.warmup))
-            flops = sum(useful_flops(trainer.model.encoder, x) for x in lengths) / took
-            rates[(task, label)] = examples / took
-            print(f"{task:5} {label:28} {rates[(task, label)]:7.1f} {flops / 1e9:8.1f} "
-                  f"{flops / 1e9 / peak:6.1%}", flush=True)
-    if not skip_hf:
-        print("\nspeed-up of mtbert bucketed over:")
-        for task in TASK_NAMES:
-            ours = rates[(task, "mtbert bucketed")]
-            print(f"  {task}: HF default {ours / rates[(task, 'HF Trainer default')]:.2f}x, "
-                  f"HF group_by_length {ours / rates[(task, 'HF Trainer group_by_length')]:.2f}x")
-
-
 # ------------------------------------------------------------------ command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -648,7 +530,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the same batches (default: the config's)")
     p.add_argument("--steps", type=int, help="timed steps")
     p.add_argument("--warmup", type=int, help="trainer: warm-up steps; fused and techniques: "
-                   "passes over the timed steps after the one that draws them; layer, tasks: "
+                   "passes over the timed steps after the one that draws them; layer: "
                    "steps before the timing")
     p.add_argument("--threads", type=int, default=2,
                    help="host CPU threads: a fused process's, split among unfused ones")
@@ -665,7 +547,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="captured CUDA graphs of the solo step or eager (auto: graphs on CUDA)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another TrainConfig field, e.g. smart_lambda_sst=1 (repeatable)")
-    p.add_argument("--skip-hf", action="store_true", help="tasks: no transformers Trainer")
     p.add_argument("--length", type=int, default=64, help="layer: sequence length")
     p.add_argument("--capture", action="store_true", help="fused: also try to capture the "
                    "stacked step in one CUDA graph; its row says whether it captured, and "
@@ -723,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     args.save = save
     from mtbert.core.errors import MtbertError
     modes = {"trainer": bench_rows, "fused": bench_rows, "techniques": bench_techniques,
-             "layer": bench_layer, "tasks": bench_tasks}
+             "layer": bench_layer}
     try:
         modes[args.mode](args, peak)
     except MtbertError as exc:

@@ -11,8 +11,8 @@ from the model).  It moves with every step, where a hard accuracy sits on the ma
 class for the first hundreds of examples: what a scheduler's early rungs can rank on.
 
 classes_soft = (SST p_gold + QQP p_gold) / 2: the classifiers' part of overall_soft.  In
-the first steps the STS head's r is noise (bench/rung_signal.py: rank correlation with the
-full trainings -0.73 to 0.67 at 224 examples, where both p_gold rank 0.95-0.98), and
+the first steps the STS head's r is noise (docs/bench/search_efficiency.md, reason 2: rank
+correlation with the full trainings -0.73 to 0.67 at 224 examples, where both p_gold rank 0.95-0.98), and
 through (r + 1) / 2 it moves overall_soft more than the two probabilities do.
 """
 
