@@ -38,24 +38,38 @@ def driver_cmd(cluster: LocalRayCluster, model: str, data: str, storage: str, db
 
 
 @pytest.fixture(scope="module")
-def two_node_search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
+def two_node_searches(tmp_path_factory, tiny_model_dir, tiny_data_dir):
+    """One two-node cluster (1 CPU each) runs both searches in turn: the plain one (two
+    trials), then the fused one (``--fuse on``, three trials); each test asserts on its
+    own search's files (a cluster start paid once)."""
     root = tmp_path_factory.mktemp("multinode")
-    storage, db = root / "ray_results", root / "mlflow.db"
+    storage = root / "ray_results"
+    searches = {}
     with LocalRayCluster(root / "logs") as cluster:
         head = cluster.start_head(num_cpus=1)
         worker = cluster.add_worker(num_cpus=1)
-        start = time.perf_counter()
-        out = subprocess.run(driver_cmd(cluster, tiny_model_dir, tiny_data_dir,
-                                        storage.as_uri(), db,
-                                        "two-nodes", "--num-samples", str(NUM_TRIALS),
-                                        "--max-concurrent", "2"),
-                             cwd=REPO, env=cluster.env, capture_output=True, text=True,
-                             timeout=240)
-        seconds = time.perf_counter() - start
-    print(f"two-node search: {seconds:.1f} s")
-    return {"out": out, "exp_dir": storage / "two-nodes", "uri": f"sqlite:///{db}",
-            "exp_uri": (storage / "two-nodes").as_uri(),
-            "nodes": {head.node_id: "head", worker.node_id: "worker"}}
+        for name, extra in (("two-nodes", ("--num-samples", str(NUM_TRIALS),
+                                           "--max-concurrent", "2")),
+                            ("fused-two-nodes", ("--num-samples", "3", "--max-concurrent", "3",
+                                                 "--fuse", "on"))):
+            db = root / f"{name}.db"
+            start = time.perf_counter()
+            out = subprocess.run(driver_cmd(cluster, tiny_model_dir, tiny_data_dir,
+                                            storage.as_uri(), db, name, *extra),
+                                 cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                                 timeout=300)
+            print(f"{name} search: {time.perf_counter() - start:.1f} s")
+            searches[name] = {"out": out, "exp_dir": storage / name, "uri": f"sqlite:///{db}",
+                              "exp_uri": (storage / name).as_uri()}
+    nodes = {head.node_id: "head", worker.node_id: "worker"}
+    for search in searches.values():
+        search["nodes"] = nodes
+    return searches
+
+
+@pytest.fixture(scope="module")
+def two_node_search(two_node_searches):
+    return two_node_searches["two-nodes"]
 
 
 def test_trials_ran_on_both_nodes(two_node_search):
@@ -123,8 +137,7 @@ def test_uri_storage_holds_every_file(two_node_search):
     assert settings["args"]["storage_path"] == exp_uri.rsplit("/", 1)[0]
 
 
-def test_fused_trials_train_on_one_node_and_report_from_the_other(tmp_path, tiny_model_dir,
-                                                                  tiny_data_dir):
+def test_fused_trials_train_on_one_node_and_report_from_the_other(two_node_searches):
     """``--fuse on`` on two 1-CPU nodes: the trainer actor takes one node's CPU, so the thin
     trials (a quarter CPU each) run on the other node. Their checkpoints cross through
     Ray (the trainer's folders are on its node's disk), and the search ends as a
@@ -135,20 +148,12 @@ def test_fused_trials_train_on_one_node_and_report_from_the_other(tmp_path, tiny
 
     from ray.tune import ExperimentAnalysis
 
-    storage, db = tmp_path / "ray_results", tmp_path / "mlflow.db"
-    with LocalRayCluster(tmp_path / "logs") as cluster:
-        head = cluster.start_head(num_cpus=1)
-        worker = cluster.add_worker(num_cpus=1)
-        out = subprocess.run(driver_cmd(cluster, tiny_model_dir, tiny_data_dir,
-                                        storage.as_uri(), db, "fused-two-nodes",
-                                        "--num-samples", "3", "--max-concurrent", "3",
-                                        "--fuse", "on"),
-                             cwd=REPO, env=cluster.env, capture_output=True, text=True,
-                             timeout=300)
+    search = two_node_searches["fused-two-nodes"]
+    out = search["out"]
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     placed = re.search(r"fused: trainer 0: (\d+) trials", out.stdout)
     assert placed and int(placed[1]) >= 3, out.stdout[-3000:]
-    exp_dir = storage / "fused-two-nodes"
+    exp_dir = search["exp_dir"]
     summary = json.loads((exp_dir / "summary.json").read_text())
     assert summary["counts"]["trials"] == 3 and summary["counts"]["errored"] == 0
     analysis = ExperimentAnalysis(str(exp_dir))
@@ -158,7 +163,7 @@ def test_fused_trials_train_on_one_node_and_report_from_the_other(tmp_path, tiny
         trained_on |= set(df["node_id"])
         reported_from |= set(df["thin_trial_node_id"])
     assert len(trained_on) == 1 and len(reported_from) == 1
-    assert trained_on | reported_from == {head.node_id, worker.node_id}
+    assert trained_on | reported_from == set(search["nodes"])
     kept = [t["best_checkpoint"] for t in summary["trials"] if t["best_checkpoint"]]
     assert kept
     for uri in kept:

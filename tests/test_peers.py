@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-NUM_TRIALS = 3
-SEED = 3  # --same-draws: the problems fixture's draws of seed 3 (3 of them)
+NUM_TRIALS = 2
+SEED = 3  # --same-draws: the problems fixture's draws of seed 3 (NUM_TRIALS of them)
 
 
 def peers(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -60,8 +60,8 @@ def kept_runs(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def peer_search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
-    """Each method once with ``--same-draws``: seed 3, budget smoke, the smart space, 3
-    trials, each in a process of its own as the bench runs them (the HF ray peer cannot
+    """Each method once with ``--same-draws``: seed 3, budget smoke, the smart space, 2
+    trials (one wave at --max-concurrent 2), each in a process of its own as the bench runs them (the HF ray peer cannot
     follow the HF optuna peer in one process: Ray then fails to pickle its Trainer, a
     weakref; the bench never runs two methods in one process).  One run serves every test
     of a search: each method paying its own Ray start and imports is most of its cost."""
@@ -83,7 +83,7 @@ def peer_runs(peer_search):
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     """``--dry-run``: the problem of seeds 0, 1 and 3 with 8 draws each, of seeds 0 and 3
-    with 3, and of seed 0 on a copy of the data with one STS dev label changed."""
+    with NUM_TRIALS, and of seed 0 on a copy of the data with one STS dev label changed."""
     root = tmp_path_factory.mktemp("problems")
     changed = root / "changed-data"
     shutil.copytree(tiny_data_dir, changed)
@@ -94,7 +94,7 @@ def problems(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     (changed / "sts-dev.csv").write_text("\n".join(lines) + "\n")
     out = {}
     for name, data, more in (("8", tiny_data_dir, ["--seeds", "0,1,3", "--num-samples", "8"]),
-                             ("3", tiny_data_dir, ["--seeds", "0,3", "--num-samples", "3"]),
+                             ("n", tiny_data_dir, ["--seeds", "0,3", "--num-samples", str(NUM_TRIALS)]),
                              ("changed", str(changed), ["--seeds", "0"])):
         done = peers("--dry-run", "--same-draws", "--budget", "smoke", "--model",
                      tiny_model_dir, "--data-dir", data, "--out", str(root / name), "--json",
@@ -316,8 +316,8 @@ def test_same_draws_are_one_seeded_list_of_the_spaces_points(problems):
     from mtbert.tune.search.spaces import load_space
 
     space = load_space("smart")
-    draws = problems["8"]["0"]["draws"]  # drawn in one process; 3 of them in another:
-    assert len(draws) == 8 and problems["3"]["0"]["draws"] == draws[:3]  # the list's start
+    draws = problems["8"]["0"]["draws"]  # drawn in one process; NUM_TRIALS in another:
+    assert len(draws) == 8 and problems["n"]["0"]["draws"] == draws[:NUM_TRIALS]  # its start
     assert problems["8"]["1"]["draws"] != draws  # does not depend on n; the seed decides it
     for point in draws:
         assert set(point) == set(space.searched)
@@ -351,10 +351,10 @@ def test_same_draws_bookkeeping_says_whether_every_method_tried_the_list(tmp_pat
 def test_with_same_draws_every_method_tries_the_seeds_draws(peer_search, problems):
     """The project (its searcher given ``--points``), plain Ray Tune and HF's ray backend
     (OptunaSearch's points_to_evaluate) and HF's optuna backend (the trials enqueued)
-    each try exactly the 3 configurations the seeded sampler drew, every one of them; the
+    each try exactly the NUM_TRIALS configurations the seeded sampler drew, every one of them; the
     HF peers' models are built from them (HF's optuna backend calls ``model_init`` before
     the trial has its values: it trained the base configuration until 2026-11-30)."""
-    draws = problems["3"]["3"]["draws"]
+    draws = problems["n"]["3"]["draws"]
     runs = {m: by_seed["3"] for m, by_seed in peer_search["runs"].items()}
     assert set(runs) == {"project", "plain_ray", "hf_ray", "hf_optuna"}
     for method, run in runs.items():
