@@ -12,7 +12,7 @@ import numpy as np
 from mtbert.core.atomic import check_creatable
 from mtbert.core.config import TrainConfig, cache_dir_source, default_cache_dir
 from mtbert.data.files import read_task_file
-from mtbert.data.tokens import CacheStats, TokenTable, tokenize_cached
+from mtbert.data.tokens import CacheStats, TokenTable, tokenize_cached, tokenizer_fingerprint
 from mtbert.core.errors import DataError
 from mtbert.core.pretrained import load_tokenizer
 from mtbert.core.tasks import TASK_NAMES, TASKS
@@ -71,6 +71,7 @@ def load_data(cfg: TrainConfig, data_dir: str | None = None) -> MultitaskData:
     cache_dir = default_cache_dir(cfg.cache_dir)
     check_creatable(cache_dir, cache_dir_source(cfg.cache_dir))  # before any file is read
     tokenizer = load_tokenizer(cfg.model)
+    fingerprint = tokenizer_fingerprint(tokenizer)  # once: the same for every file
     stats = CacheStats()
     splits: dict[str, dict[str, Split]] = {}
     for task in TASK_NAMES:
@@ -79,7 +80,8 @@ def load_data(cfg: TrainConfig, data_dir: str | None = None) -> MultitaskData:
         for split_name, filename in spec.files.items():
             labelled = split_name != "test"
             raw = read_task_file(data_dir / filename, spec, labelled, cfg.bad_row_tolerance)
-            tokens = tokenize_cached(raw, tokenizer, cfg.max_length, cache_dir, stats)
+            tokens = tokenize_cached(raw, tokenizer, cfg.max_length, cache_dir, stats,
+                                     fingerprint)
             full = Split(task, split_name, raw.ids, raw.labels, tokens)
             if split_name == "train":
                 train_idx, val_idx = carve_validation(len(full), cfg.val_fraction, cfg.split_seed)

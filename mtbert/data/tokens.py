@@ -98,9 +98,13 @@ class CacheStats:
 
 
 def tokenize_cached(table: RawTable, tokenizer, max_length: int, cache_dir: Path,
-                    stats: CacheStats) -> TokenTable:
+                    stats: CacheStats, fingerprint: str | None = None) -> TokenTable:
+    """``table``'s tokens, read from the Parquet cache or tokenised and written there.
+    ``fingerprint``: the tokenizer's (:func:`tokenizer_fingerprint`), computed once by a
+    caller that tokenises several files (it serialises the whole vocabulary: ~0.1 s)."""
+    fingerprint = fingerprint or tokenizer_fingerprint(tokenizer)
     key = hashlib.sha256(
-        f"{CACHE_VERSION}|{tokenizer_fingerprint(tokenizer)}|{max_length}|{table.checksum}".encode()
+        f"{CACHE_VERSION}|{fingerprint}|{max_length}|{table.checksum}".encode()
     ).hexdigest()[:24]
     cache_file = cache_dir / "tokens" / f"{Path(table.path).stem}-{key}.parquet"
     if cache_file.is_file():
