@@ -36,3 +36,21 @@ def test_the_searches_group_names_modules_that_exist_and_holds_every_shared_ray_
                     for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))))}
     assert "test_search_choices" in users  # the walk finds them
     assert users <= SEARCHES_GROUP_MODULES, users - SEARCHES_GROUP_MODULES
+
+
+def test_the_tests_sent_to_rest_exist_and_take_no_shared_ray():
+    """Each test conftest's REST_GROUP_TESTS sends to the other worker is a test function
+    of its module that starts its own Ray (taking the shared Ray there would start a
+    second one), and the group says ``rest`` for it, parameters or not."""
+    from conftest import REST_GROUP_TESTS, worker_group
+
+    for entry in REST_GROUP_TESTS:
+        file, name = entry.split("::")
+        functions = {node.name: node for node in ast.walk(ast.parse(
+            (TESTS / file).read_text(encoding="utf-8"))) if isinstance(node, ast.FunctionDef)}
+        assert name in functions, f"REST_GROUP_TESTS: no test {entry}"
+        assert "shared_ray" not in {a.arg for a in functions[name].args.args}, entry
+        assert worker_group(f"tests/{entry}") == worker_group(f"tests/{entry}[x]") == "rest"
+    assert worker_group("tests/test_fault_tolerance.py::test_nan_loss_trial_fails_with_"
+                        "reason_others_go_on") == "searches"
+    assert worker_group("tests/test_data.py::test_x") == "rest"
