@@ -229,5 +229,12 @@ def test_a_trainer_gone_for_good_fails_its_trials_once_and_the_search_summarises
     assert set(lost_for_good["killed"][0]) <= {t["trial_id"] for t in failed}
     for t in failed:
         assert "no trainer can take it again" in t["error"], t["error"]
-    assert s["best_trial"]["status"] == "completed" and s["ensemble"]["members"]
+    # the best is the best-scoring trial with weights, completed or not: a trial whose
+    # trainer is gone keeps its checkpoints and is ranked with the others (records.ranked);
+    # one killed at its budget's end (a CI run at 13ebd6b: 192 examples, val 0.556) can
+    # outscore the one that completed (0.430)
+    best = s["best_trial"]
+    scores = [t["best_val_overall"] for t in s["trials"] if t["best_val_overall"] is not None]
+    assert best["val"]["val/overall"] == max(scores), (best, s["trials"])
+    assert best["status"] in ("completed", "error") and s["ensemble"]["members"]
     assert any("[tune] fused: trainer 0: no answer" in ln for ln in console.splitlines())
