@@ -13,6 +13,7 @@ the parents; and every bad ``--extend`` exits 2 with one line and writes nothing
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -226,7 +227,7 @@ def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     shutil.copytree(storage, moved)
     shutil.rmtree(storage / "second")
     written = json.loads((moved / "second" / "trials.json").read_text())  # as at the URI
-    doc = json.loads((moved / "second" / "trials.json").read_text())
+    doc = copy.deepcopy(written)
     for row in doc["trials"]:
         if row["weights"]:
             row["weights"] = os.path.normpath(storage / "second" / row["weights"])

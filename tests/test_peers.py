@@ -61,10 +61,11 @@ def kept_runs(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def peer_search(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     """Each method once with ``--same-draws``: seed 3, budget smoke, the smart space, 2
-    trials (one wave at --max-concurrent 2), each in a process of its own as the bench runs them (the HF ray peer cannot
-    follow the HF optuna peer in one process: Ray then fails to pickle its Trainer, a
-    weakref; the bench never runs two methods in one process).  One run serves every test
-    of a search: each method paying its own Ray start and imports is most of its cost."""
+    trials (one wave at --max-concurrent 2), each in a process of its own as the bench
+    runs them (the HF ray peer cannot follow the HF optuna peer in one process: Ray then
+    fails to pickle its Trainer, a weakref; the bench never runs two methods in one
+    process).  One run serves every test of a search: each method paying its own Ray
+    start and imports is most of its cost."""
     root = tmp_path_factory.mktemp("peers")
     done = peers("--same-draws", "--seeds", str(SEED), "--budget", "smoke", "--num-samples",
                  str(NUM_TRIALS), "--max-concurrent", "2", "--gpus-per-trial", "0",
@@ -94,7 +95,8 @@ def problems(tmp_path_factory, tiny_model_dir, tiny_data_dir):
     (changed / "sts-dev.csv").write_text("\n".join(lines) + "\n")
     out = {}
     for name, data, more in (("8", tiny_data_dir, ["--seeds", "0,1,3", "--num-samples", "8"]),
-                             ("n", tiny_data_dir, ["--seeds", "0,3", "--num-samples", str(NUM_TRIALS)]),
+                             ("n", tiny_data_dir,
+                              ["--seeds", "0,3", "--num-samples", str(NUM_TRIALS)]),
                              ("changed", str(changed), ["--seeds", "0"])):
         done = peers("--dry-run", "--same-draws", "--budget", "smoke", "--model",
                      tiny_model_dir, "--data-dir", data, "--out", str(root / name), "--json",
@@ -351,9 +353,10 @@ def test_same_draws_bookkeeping_says_whether_every_method_tried_the_list(tmp_pat
 def test_with_same_draws_every_method_tries_the_seeds_draws(peer_search, problems):
     """The project (its searcher given ``--points``), plain Ray Tune and HF's ray backend
     (OptunaSearch's points_to_evaluate) and HF's optuna backend (the trials enqueued)
-    each try exactly the NUM_TRIALS configurations the seeded sampler drew, every one of them; the
-    HF peers' models are built from them (HF's optuna backend calls ``model_init`` before
-    the trial has its values: it trained the base configuration until 2026-11-30)."""
+    each try exactly the NUM_TRIALS configurations the seeded sampler drew, every one of
+    them; the HF peers' models are built from them (HF's optuna backend calls
+    ``model_init`` before the trial has its values: it trained the base configuration
+    until 2026-11-30)."""
     draws = problems["n"]["3"]["draws"]
     runs = {m: by_seed["3"] for m, by_seed in peer_search["runs"].items()}
     assert set(runs) == {"project", "plain_ray", "hf_ray", "hf_optuna"}
