@@ -1,5 +1,5 @@
-"""``--help`` of both commands stays fast: it imports none of the heavy packages (they are
-imported where a search or a training uses them)."""
+"""``--help`` of both commands and the search's ``--list-spaces`` stay fast: they import
+none of the heavy packages (they are imported where a search or a training uses them)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ HEAVY = ("ray", "mlflow", "optuna", "torch", "transformers", "pandas", "scipy", 
 
 PROBE = """
 import json, runpy, sys
-sys.argv = [{script!r}, "--help"]
+sys.argv = [{script!r}, {flag!r}]
 try:
     runpy.{runner}({target!r}, run_name="__main__")
 except SystemExit:
@@ -25,16 +25,17 @@ print(json.dumps(sorted(name for name in {heavy!r} if name in sys.modules)), fil
 """
 
 
-@pytest.mark.parametrize("script, runner, target", [
-    ("tune_driver.py", "run_path", "tune_driver.py"),
-    ("python -m mtbert.train", "run_module", "mtbert.train"),
+@pytest.mark.parametrize("script, runner, target, flag, printed", [
+    ("tune_driver.py", "run_path", "tune_driver.py", "--help", "usage:"),
+    ("tune_driver.py", "run_path", "tune_driver.py", "--list-spaces", "\nsmart "),
+    ("python -m mtbert.train", "run_module", "mtbert.train", "--help", "usage:"),
 ])
-def test_help_imports_no_heavy_package(script, runner, target):
-    code = PROBE.format(script=script, runner=runner, target=target, heavy=HEAVY)
+def test_help_imports_no_heavy_package(script, runner, target, flag, printed):
+    code = PROBE.format(script=script, runner=runner, target=target, flag=flag, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "usage:" in out.stdout
+    assert printed in out.stdout, out.stdout
     assert json.loads(out.stderr.strip().splitlines()[-1]) == []
 
 

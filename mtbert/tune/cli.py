@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args.given = given_flags(argv)
     if args.send_mlflow:  # (MLflow only: no Ray, no torch)
         return send_mlflow(args)
-    from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
-
-    quiet_environment()
-    if args.list_spaces:
+    if args.list_spaces:  # (the YAML files only)
         spaces = list_spaces()
         if not spaces:
             print(f"error: --list-spaces: no search space found (no *.yaml in "
@@ -223,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, description in spaces:
             print(f"{name:<10} {description}")
         return 0
+    from mtbert.tune.driver import run  # deferred: ray, mlflow, optuna, torch (~2 s)
+
+    quiet_environment()
     settings = None
     try:
         settings = resolve_settings(args)
