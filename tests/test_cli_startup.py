@@ -30,7 +30,7 @@ print(json.dumps(sorted(name for name in {heavy!r} if name in sys.modules)), fil
     ("tune_driver.py", "run_path", "tune_driver.py", "--list-spaces", "\nsmart "),
     ("python -m mtbert.train", "run_module", "mtbert.train", "--help", "usage:"),
 ])
-def test_help_imports_no_heavy_package(script, runner, target, flag, printed):
+def test_help_and_list_spaces_import_no_heavy_package(script, runner, target, flag, printed):
     code = PROBE.format(script=script, runner=runner, target=target, flag=flag, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
