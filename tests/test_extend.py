@@ -29,6 +29,7 @@ from mtbert.tune.trial.objective import OBJECTIVE
 from mtbert.tune.results.records import TrialRecord, TrialStatus
 from mtbert.tune.search.spaces import parse_space
 from mtbert.tune.search.tuner import build_searcher
+from conftest import sqlite_mlflow_store
 
 # ---------------------------------------------------------------------- the searcher
 #: 3 dropouts x 2 batch sizes: 6 configurations, small enough for TPE to repeat itself
@@ -212,7 +213,7 @@ def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     a local copy."""
     root = tmp_path_factory.mktemp("extend")
     storage = root / "ray_results"
-    common = ["--storage-path", storage.as_uri(), "--mlflow-uri", f"sqlite:///{root / 'm.db'}",
+    common = ["--storage-path", storage.as_uri(), "--mlflow-uri", sqlite_mlflow_store(root / "m.db"),
               "--max-concurrent", "1"]
     first = _main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
                    "--data-dir", tiny_data_dir, "--num-samples", "3", "--experiment", "first",

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 
-from conftest import NAN_SPACE
+from conftest import NAN_SPACE, sqlite_mlflow_store
 from ray_cluster import LocalRayCluster, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def _cmd(model: str, data: str, storage: Path | str, db: Path | None, experiment
            "--model", model, "--data-dir", data, "--storage-path", str(storage),
            "--experiment", experiment, "--seed", "0", "--scheduler", "asha"]
     if db is not None:
-        cmd += ["--mlflow-uri", f"sqlite:///{db}"]
+        cmd += ["--mlflow-uri", sqlite_mlflow_store(db)]
     return cmd + list(extra)
 
 

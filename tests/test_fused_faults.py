@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NAN_SPACE
+from conftest import NAN_SPACE, sqlite_mlflow_store
 
 SMOKE_MAX = 192
 NUM_TRIALS = 4
@@ -143,7 +143,7 @@ def faults(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
             out["first"] = _main(["--space", str(root / "nan.yaml"), "--budget", "smoke",
                                   "--model", tiny_model_dir, "--data-dir", tiny_data_dir,
                                   "--num-samples", str(NUM_TRIALS), "--max-concurrent", "2",
-                                  "--mlflow-uri", f"sqlite:///{db}", "--seed", str(SEED),
+                                  "--mlflow-uri", sqlite_mlflow_store(db), "--seed", str(SEED),
                                   "--scheduler", "fifo", "--search-alg", "random",
                                   "--max-failures", "2",
                                   "--ensemble-top-k", "1", "--fuse", "on", *common])

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import sqlite_mlflow_store
 
 NUM_TRIALS = 4
 #: fp32: the fused step rounds otherwise than the solo step (its padding follows the trials
@@ -55,7 +56,7 @@ def fused_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     (model / "config.json").write_text(json.dumps(config))
     (root / "space.yaml").write_text(SPACE, encoding="utf-8")
     storage = root / "ray_results"
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_mlflow_store(root / "mlflow.db")
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
         rc = main(["--space", str(root / "space.yaml"), "--budget", "smoke",

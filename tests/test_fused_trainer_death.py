@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from mtbert.tune.trial.trainer_pool import TUNE_CONTROLLER_LOG
+from conftest import sqlite_mlflow_store
 
 SMOKE_MAX, EVERY = 192, 48
 NUM_TRIALS = 4
@@ -94,7 +95,7 @@ def _fused_search(root: Path, name: str, seed: int, max_failures: int, killer, m
             rc = main(["--space", str(root / f"{name}.yaml"), "--budget", "smoke",
                        "--model", model, "--data-dir", data,
                        "--num-samples", str(NUM_TRIALS), "--max-concurrent", "2",
-                       "--mlflow-uri", f"sqlite:///{root / 'mlflow.db'}", "--seed", str(seed),
+                       "--mlflow-uri", sqlite_mlflow_store(root / "mlflow.db"), "--seed", str(seed),
                        "--scheduler", "fifo", "--search-alg", "random",
                        "--max-failures", str(max_failures), "--ensemble-top-k", "2",
                        "--fuse", "on", "--experiment", name,

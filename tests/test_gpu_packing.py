@@ -16,6 +16,7 @@ from mtbert.core.errors import ConfigError
 from mtbert.tune.infra.cluster import (MAX_TRIALS_PER_GPU, model_parameters, pack_trials,
                                        trials_per_gpu)
 from ray_cluster import LocalRayCluster
+from conftest import sqlite_mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -71,7 +72,7 @@ def test_pack_trials_bad_shares():
 def _driver(cluster, model, data, root, experiment, *extra):
     cmd = [sys.executable, "tune_driver.py", "--space", "smoke", "--budget", "smoke",
            "--model", model, "--data-dir", data, "--storage-path", str(root / "ray_results"),
-           "--mlflow-uri", f"sqlite:///{root / 'mlflow.db'}", "--experiment", experiment,
+           "--mlflow-uri", sqlite_mlflow_store(root / "mlflow.db"), "--experiment", experiment,
            "--address", cluster.address, "--seed", "0", *extra]
     return subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True,
                           timeout=300)

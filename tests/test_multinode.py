@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ray_cluster import LocalRayCluster
+from conftest import sqlite_mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 2
@@ -33,7 +34,7 @@ def driver_cmd(cluster: LocalRayCluster, model: str, data: str, storage: str, db
                experiment: str, *extra: str) -> list[str]:
     return [sys.executable, "tune_driver.py", "--space", "smoke", "--budget", "smoke",
             "--model", model, "--data-dir", data, "--storage-path", str(storage),
-            "--mlflow-uri", f"sqlite:///{db}", "--experiment", experiment,
+            "--mlflow-uri", sqlite_mlflow_store(db), "--experiment", experiment,
             "--address", cluster.address, "--seed", "0", *extra]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mtbert.tune.trial.objective import OBJECTIVE
+from conftest import sqlite_mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def run_search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
     def run(name: str, *flags: str, trials: int = 2) -> dict:
         root = tmp_path_factory.mktemp(name)
-        storage, uri = root / "ray_results", f"sqlite:///{root / 'mlflow.db'}"
+        storage, uri = root / "ray_results", sqlite_mlflow_store(root / "mlflow.db")
         console = io.StringIO()
         with contextlib.redirect_stdout(console):
             rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,

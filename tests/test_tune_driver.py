@@ -20,6 +20,7 @@ import pytest
 
 from mtbert.tune.search.choices import DEFAULT_SEARCHER
 from mtbert.tune.results.summary import duration
+from conftest import sqlite_mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRIALS = 6
@@ -31,7 +32,7 @@ def search(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
 
     root = tmp_path_factory.mktemp("search")
     storage = root / "ray_results"
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_mlflow_store(root / "mlflow.db")
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
         rc = main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
