@@ -39,8 +39,9 @@ def sqlite_mlflow_store(path: Path) -> str:
     made once per test process (its tables at MLflow's head revision, its Default
     experiment), the same file MLflow would make there.  MLflow makes a new store by
     running every migration of its schema: 1.6 CPU-seconds each time, for each of the
-    suite's ~30 searches.  The driver's own making of a new store still runs wherever a
-    test leaves the store to it (the installed command, the Ctrl-C and NaN tests)."""
+    suite's ~30 searches.  MLflow's own making of a new store still runs wherever a test
+    leaves the store to the product (the installed command, the NaN test's local
+    fallback, the peers' project search, test_tune_finalize's tracker)."""
     if not path.exists():
         if not (_MLFLOW_STORE_TEMPLATE and _MLFLOW_STORE_TEMPLATE[-1].exists()):
             import atexit
