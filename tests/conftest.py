@@ -6,6 +6,7 @@ and nowhere else."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -30,8 +31,24 @@ SHARED_DATA = Path(os.environ.get("MTBERT_DATA", REPO.parent / "shared" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
-#: an empty SQLite MLflow store made once in this process (:func:`sqlite_mlflow_store`)
-_MLFLOW_STORE_TEMPLATE: list[Path] = []
+#: the folder of this process's empty MLflow store, in pytest's temporary folders
+#: (:func:`_mlflow_store_folder`; the process ends without running atexit handlers:
+#: pytest_unconfigure)
+_MLFLOW_STORE_FOLDER: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _mlflow_store_folder(tmp_path_factory):
+    _MLFLOW_STORE_FOLDER.append(tmp_path_factory.mktemp("mlflow-empty-store"))
+
+
+@functools.cache
+def _empty_mlflow_store() -> Path:
+    """An empty SQLite MLflow store, made once in this process."""
+    from mlflow import MlflowClient
+    path = _MLFLOW_STORE_FOLDER[0] / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
 
 
 def sqlite_mlflow_store(path: Path) -> str:
@@ -43,17 +60,8 @@ def sqlite_mlflow_store(path: Path) -> str:
     leaves the store to the product (the installed command, the NaN test's local
     fallback, the peers' project search, test_tune_finalize's tracker)."""
     if not path.exists():
-        if not (_MLFLOW_STORE_TEMPLATE and _MLFLOW_STORE_TEMPLATE[-1].exists()):
-            import atexit
-            import tempfile
-
-            from mlflow import MlflowClient
-            folder = Path(tempfile.mkdtemp(prefix="mtbert-mlflow-store-"))
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
-            _MLFLOW_STORE_TEMPLATE.append(folder / "mlflow.db")
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_MLFLOW_STORE_TEMPLATE[-1], path)
+        shutil.copyfile(_empty_mlflow_store(), path)
     return f"sqlite:///{path}"
 
 

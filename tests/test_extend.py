@@ -213,8 +213,8 @@ def searches(shared_ray, tmp_path_factory, tiny_model_dir, tiny_data_dir):
     a local copy."""
     root = tmp_path_factory.mktemp("extend")
     storage = root / "ray_results"
-    common = ["--storage-path", storage.as_uri(), "--mlflow-uri", sqlite_mlflow_store(root / "m.db"),
-              "--max-concurrent", "1"]
+    common = ["--storage-path", storage.as_uri(),
+              "--mlflow-uri", sqlite_mlflow_store(root / "m.db"), "--max-concurrent", "1"]
     first = _main(["--space", "smoke", "--budget", "smoke", "--model", tiny_model_dir,
                    "--data-dir", tiny_data_dir, "--num-samples", "3", "--experiment", "first",
                    "--seed", "0", "--scheduler", "asha", *common])
