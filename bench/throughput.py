@@ -126,7 +126,10 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
     torch.set_num_threads(settings["threads"])
     configs = [TrainConfig.from_dict(c) for c in settings["configs"]]
     data = load_data(configs[0])
-    outs = [Path(tempfile.mkdtemp(prefix=f"mtbert-bench-{rank}-")) for _ in configs]
+    scratch = tempfile.TemporaryDirectory(prefix=f"mtbert-bench-{rank}-")  # removed at the end
+    outs = [Path(scratch.name) / str(i) for i in range(len(configs))]
+    for out in outs:
+        out.mkdir()
     if settings["fused"]:
         group = TrainingGroup(configs, data, outs, checkpoints=False)
         trials = list(group.trials.values())
@@ -229,6 +232,7 @@ def worker(rank: int, settings: dict, barrier, results) -> None:
         first = {m: recorded[0][m] for m in members}
         figures["capture"] = capture_step(device, engine, first, steps, sum(
             real_rows(b) for t in drawers for b in recorded[0][t].values()))
+    scratch.cleanup()
     results.put(figures)
 
 

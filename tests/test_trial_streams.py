@@ -138,3 +138,37 @@ def test_stream_replay_draws_again_and_leaves_the_stream_where_it_stood():
         again = [torch.rand(4, generator=g) for g in gens]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, after))
+
+
+def test_a_replay_takes_a_trial_s_recorded_draws_again_without_drawing():
+    """One trial's stream: the draws trial_draw took after remember() are given back, the
+    same tensors, by each replay (the generator does not move inside it); outside a replay
+    and after release() draws are fresh; a replay asking for another shape is an error."""
+    gen = torch.Generator().manual_seed(5)
+    replay = StreamReplay([gen])
+    drawn = []
+
+    def draw(out, generator, n):
+        drawn.append(out.shape)
+        out.bernoulli_(0.9, generator=generator)
+
+    x, y = torch.zeros(6, 7), torch.zeros(3)
+    remembered = replay.remember()
+    first = [trial_draw(x, draw, [gen]), trial_draw(y, draw, [gen])]
+    after = gen.get_state()
+    for _ in range(2):
+        with replay.replay(remembered):
+            again = [trial_draw(x, draw, [gen]), trial_draw(y, draw, [gen])]
+            assert torch.equal(gen.get_state(), remembered[0][0])  # nothing drawn
+        assert again[0] is first[0] and again[1] is first[1]
+        assert torch.equal(gen.get_state(), after)
+    assert len(drawn) == 2
+    fresh = trial_draw(x, draw, [gen])  # after the replays: a new draw from the stream
+    assert len(drawn) == 3 and not torch.equal(gen.get_state(), after)
+    with pytest.raises(RuntimeError, match="replayed forward's draw 0"):
+        with replay.replay(remembered):
+            trial_draw(y, draw, [gen])
+    replay.release(remembered)
+    with replay.replay(remembered):  # released: nothing kept, the stream's states replayed
+        assert torch.equal(trial_draw(x, draw, [gen]), first[0])
+    assert len(drawn) == 4 and fresh.shape == x.shape

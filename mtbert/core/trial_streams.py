@@ -12,7 +12,13 @@ checkpoints.
 :class:`StreamReplay` is the one way a step takes a draw again: SMART's forwards replay the
 clean forward's dropout masks by restoring the trial generators' states remembered before
 it (``get_state``/``set_state``; on CUDA ``graphsafe_get_state``/``graphsafe_set_state``,
-states a CUDA graph can register).
+states a CUDA graph can register).  What a trial alone draws in the remembered forward
+(:func:`trial_draw` outside ``vmap``: a solo trial's dropout masks) is also kept on a tape,
+and a replay takes those tensors again instead of drawing them anew: the same numbers,
+without their cost (drawing the masks was a tenth of a SMART step of MiniLM on one CPU
+thread, three of its four forwards replays).  A replay that asks for a draw the tape does
+not hold in that order (another shape, dtype or device) is an error: it would not be the
+forward it replays.
 
 :func:`trial_draw` draws each trial's slice of a tensor with a leading trial axis from that
 trial's generator, also inside ``vmap`` (where torch's random ops take no generator): the
@@ -22,6 +28,7 @@ slice is drawn as the trial alone draws its tensor.
 from __future__ import annotations
 
 import contextlib
+import threading
 import zlib
 from typing import Callable, Sequence
 
@@ -40,29 +47,80 @@ def trial_generator(device: torch.device) -> torch.Generator:
     return generator
 
 
+class _Tape:
+    """The draws :func:`trial_draw` took from ``generator`` since a
+    :meth:`StreamReplay.remember` (recording), given back in order by each replay of it
+    (``at``: the next one's index)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.draws: list[torch.Tensor] | None = []  # None: released
+        self.at: int | None = None  # None: recording
+
+    def take(self, like: torch.Tensor, draw, dtype) -> torch.Tensor:
+        if self.at is None:
+            out = torch.empty_like(like, dtype=dtype)
+            draw(out, self.generator, 0)
+            self.draws.append(out)
+            return out
+        want = (like.shape, dtype or like.dtype, like.device)
+        if self.at >= len(self.draws) or (self.draws[self.at].shape, self.draws[self.at].dtype,
+                                          self.draws[self.at].device) != want:
+            raise RuntimeError(f"a replayed forward's draw {self.at} (shape "
+                               f"{tuple(like.shape)}) is not the remembered forward's "
+                               f"({len(self.draws)} draws)")
+        self.at += 1
+        return self.draws[self.at - 1]
+
+
+_active = threading.local()  # .tape: the tape trial_draw records on or replays from
+
+
 class StreamReplay:
     """Remembers trial generators' states (before a forward) and runs a block on them again
     (a forward that must draw what that one drew), the generators then left where they stood
-    before the block."""
+    before the block.  A trial's own draws in the remembered forward are kept (module doc)
+    until :meth:`release` or the next :meth:`remember`."""
 
     def __init__(self, generators: Sequence[torch.Generator]):
         self.generators = list(generators)
 
-    def remember(self) -> list:
+    def remember(self) -> tuple:
+        tape = _Tape(self.generators[0]) if len(self.generators) == 1 else None
+        _active.tape = tape
+        return self._states(), tape
+
+    def _states(self) -> list:
         return [_get(g) for g in self.generators]
 
+    @staticmethod
+    def release(remembered: tuple | None) -> None:
+        """The remembered forward's tape is dropped (its tensors freed once unused); a
+        later replay of it restores the states alone."""
+        tape = remembered[1] if remembered is not None else None
+        if tape is not None:
+            tape.draws = None
+            if getattr(_active, "tape", None) is tape:
+                _active.tape = None
+
     @contextlib.contextmanager
-    def replay(self, remembered: list | None):
+    def replay(self, remembered: tuple | None):
         """The block draws from ``remembered`` (None: draws on as it is)."""
         if remembered is None:
             yield
             return
-        after = self.remember()
-        for g, state in zip(self.generators, remembered):
+        states, tape = remembered
+        after = self._states()
+        for g, state in zip(self.generators, states):
             _set(g, state)
+        outer = getattr(_active, "tape", None)
+        if tape is not None and tape.draws is not None:
+            tape.at = 0
+            _active.tape = tape
         try:
             yield
         finally:
+            _active.tape = None if outer is tape else outer  # recorded: no more draws
             for g, state in zip(self.generators, after):
                 _set(g, state)
 
@@ -128,6 +186,9 @@ def trial_draw(x: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator | 
     shape a trial's alone) with ``generators[n]``, or with one generator all the trials'
     ``[N, ...]`` at once (``n`` None)."""
     if not is_batchedtensor(x):  # one trial, outside vmap
+        tape = getattr(_active, "tape", None)
+        if tape is not None and tape.generator is generators[0]:
+            return tape.take(x, draw, dtype)
         out = torch.empty_like(x, dtype=dtype)
         draw(out, generators[0], 0)
         return out

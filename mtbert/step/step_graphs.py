@@ -86,6 +86,10 @@ class GraphRngReplay:
     def remember(self):
         return "clean forward"  # its offsets are the graph's first: nothing to save
 
+    @staticmethod
+    def release(remembered) -> None:
+        pass  # nothing kept
+
     @contextlib.contextmanager
     def replay(self, remembered):
         if not torch.cuda.is_current_stream_capturing():

@@ -22,7 +22,8 @@ For task ``t`` the trainer adds to the task loss
 Dropout.  ``f(·; θ)`` in R_s and D_Breg is one function: the perturbed, the ascent
 and the teacher forwards replay the dropout masks of the trainer's clean forward
 (the trial generators' states before it, restored around each of these forwards by
-:class:`mtbert.core.trial_streams.StreamReplay`), so R_s is exactly 0 for δ = 0 and D_Breg
+:class:`mtbert.core.trial_streams.StreamReplay`, which hands a solo trial's masks back from
+its tape without drawing them again), so R_s is exactly 0 for δ = 0 and D_Breg
 exactly 0 for θ̃ = θ even in train mode, and the ascent direction is not swamped by
 dropout noise.  The trial's stream then continues as if those forwards had not drawn;
 the initial noise ν is drawn from it (:func:`draw_noise`, in the trial's own batch shape,
@@ -383,6 +384,8 @@ class SmartRegulariser:
             return None
         task = args[0] if args else kwargs.get("task")
         batch = args[1] if len(args) > 1 else kwargs.get("batch")
+        if not self.lambda_on.get(task) and self.teacher is None:
+            return None  # no term on this task: nothing to replay
         if isinstance(batch, dict) and batch:
             self._seen = (task, batch, self.rng.remember())
         return None
@@ -391,6 +394,8 @@ class SmartRegulariser:
         seen, self._seen = self._seen, None
         if seen is not None and seen[0] == task and seen[1] is batch:
             return seen[2]
+        if seen is not None:
+            self.rng.release(seen[2])
         return None  # clean forward not observed: our forwards draw fresh dropout masks
 
     def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
@@ -478,10 +483,13 @@ class SmartRegulariser:
         ``clean``; what :func:`mtbert.techniques.losses.batch_loss` adds)."""
         compared = smart_output(task, clean)
         total = compared.new_zeros((), dtype=torch.float32)
-        if not self.lambda_on[task] and self.teacher is None:
-            return total
-        return self._term(_OneModel(self, model), task, batch, compared,
-                          self._replay_state(task, batch), total)
+        rng = self._replay_state(task, batch)
+        try:
+            if not self.lambda_on[task] and self.teacher is None:
+                return total
+            return self._term(_OneModel(self, model), task, batch, compared, rng, total)
+        finally:
+            self.rng.release(rng)  # the clean forward's kept masks
 
     def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """N stacked trials' ``[N]``: L_t + λ_t·R_s + μ·D_Breg of each on its slice of
@@ -493,9 +501,12 @@ class SmartRegulariser:
             loss, out = loss_and_output(model, task, b, self.cfg)
             return loss, smart_output(task, out)
 
-        losses, compared = self.fused.map(loss_and_compared, batch)
-        return losses + self._term(_Stacked(self, self.fused), task, batch, compared,
-                                   remembered, torch.zeros_like(losses))
+        try:
+            losses, compared = self.fused.map(loss_and_compared, batch)
+            return losses + self._term(_Stacked(self, self.fused), task, batch, compared,
+                                       remembered, torch.zeros_like(losses))
+        finally:
+            self.rng.release(remembered)
 
     def _term(self, forwards, task, batch, compared, rng, total) -> torch.Tensor:
         if self.lambda_on[task]:
