@@ -219,9 +219,12 @@ def test_teacher_follows_the_ema_formula(setup):
         reg.after_step(model)
         params = dict(model.named_parameters())
         for n in names:
-            expected[n] = beta * expected[n] + (1 - beta) * params[n].detach()
-            # computed as one lerp, θ̃ + (1 − β)(θ − θ̃): float32 rounding apart
-            torch.testing.assert_close(reg.teacher[n], expected[n], rtol=1e-6, atol=1e-6,
+            formula = beta * expected[n] + (1 - beta) * params[n].detach()
+            # computed as one lerp, θ̃ + (1 − β)(θ − θ̃): exactly that, and the β-form to
+            # float32 rounding
+            expected[n] = torch.lerp(expected[n], params[n].detach(), 1 - beta)
+            assert torch.equal(reg.teacher[n], expected[n]), (step, n)
+            torch.testing.assert_close(reg.teacher[n], formula, rtol=1e-6, atol=1e-6,
                                        msg=f"step {step}, {n}")
     # the teacher is a copy, not a view of the live weights
     assert all(reg.teacher[n].data_ptr() != params[n].data_ptr() for n in names)
