@@ -119,6 +119,24 @@ def test_the_summary_says_where_the_wall_time_went(search):
     assert f"[tune] Wall time {duration(p['total_s'])}: data" in search["console"]
 
 
+def test_the_trials_start_from_one_kept_evaluation(search):
+    """The smoke space varies nothing the untrained model depends on, so its trials start
+    from the same weights: the search keeps one evaluation at 0 examples
+    (mtbert/run/start_scores.py), and every trial's first report carries its scores."""
+    kept = list((search["exp_dir"] / "start_scores").glob("*.json"))
+    assert len(kept) == 1
+    metrics = json.loads(kept[0].read_text())["metrics"]
+    firsts = []
+    for result in search["exp_dir"].glob("trial_*/result.json"):
+        first = json.loads(result.read_text().splitlines()[0])
+        assert first["examples_seen"] == 0
+        firsts.append(first)
+    assert len(firsts) == NUM_TRIALS
+    for first in firsts:
+        assert first["val/overall"] == metrics["val/overall"]
+        assert first["val/sts_corr"] == metrics["val/sts_corr"]
+
+
 def test_every_trial_reports_its_running_best(search, mlflow_runs):
     """MLflow and Ray rank trials by best/val/overall as the summary does: each trial
     run's latest best/val/overall is the maximum of its val/overall history."""

@@ -37,7 +37,8 @@ class Trainer(TrialRun):
                  report: ReportFn | None = None, resume_from: str | Path | None = None,
                  model: MultitaskModel | None = None, checkpoints: bool = True,
                  stop_requested: Callable[[], bool] | None = None,
-                 threads_wanted: Callable[[], int] | None = None):
+                 threads_wanted: Callable[[], int] | None = None,
+                 start_scores: StartScores | None = None):
         """See :class:`~mtbert.run.trial_run.TrialRun` for the arguments."""
         setup_started = time.perf_counter()
         graphs = graphs_wanted(cfg, resolve_device(cfg.device))
@@ -45,7 +46,8 @@ class Trainer(TrialRun):
         kept = graph_reuse.take(graph_reuse.structure(cfg)) if graphs and model is None else None
         super().__init__(cfg, data, out_dir, report=report, resume_from=resume_from,
                          model=model, checkpoints=checkpoints, stop_requested=stop_requested,
-                         threads_wanted=threads_wanted, capturable=graphs,
+                         threads_wanted=threads_wanted, start_scores=start_scores,
+                         capturable=graphs,
                          reused=kept.parts if kept is not None else None)
         self._reusable = model is None  # a caller's own model is not left for another
         self.eager_step = EagerStep(OneTrial(self))

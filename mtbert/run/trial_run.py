@@ -22,7 +22,8 @@ epoch) the run scores the validation split, writes a checkpoint and calls
 ``report(metrics, checkpoint_dir)``; the Ray adapter plugs in there. With
 ``eval_at_start`` (default) a fresh run also does so at 0 examples, before its first
 optimizer step (after any pre-training stage), so every curve shows where training
-started from; a resumed run does not repeat it.
+started from; a resumed run does not repeat it, and a run handed ``start_scores``
+reads it where a run with the same weights kept it (:mod:`mtbert.run.start_scores`).
 
 Learning rates: the encoder trains at ``lr``, everything outside it (task heads,
 shared pair layer, cosine maps) at ``lr · head_lr_multiplier``; loss-combiner
@@ -66,6 +67,7 @@ from mtbert.run.evaluation import Scoring, append_history, progress_line, train_
 from mtbert.techniques.losses import build_loss_combiner
 from mtbert.techniques.lr_schedules import build_lr_scheduler
 from mtbert.run.metrics import scalar_metrics
+from mtbert.run.start_scores import StartScores
 from mtbert.model.model import MultitaskModel
 from mtbert.techniques.pretrain import run_pretraining
 from mtbert.techniques.task_schedules import build_schedule, super_batches
@@ -126,7 +128,8 @@ class TrialRun:
                  model: MultitaskModel | None = None, checkpoints: bool = True,
                  stop_requested: Callable[[], bool] | None = None, capturable: bool = False,
                  reused: RunParts | None = None,
-                 threads_wanted: Callable[[], int] | None = None):
+                 threads_wanted: Callable[[], int] | None = None,
+                 start_scores: StartScores | None = None):
         """``checkpoints=False``: evaluations write no ``out_dir/checkpoint`` unless a
         ``report`` callback takes it (for callers that never resume, e.g. benchmarks).
         ``stop_requested``: asked after every schedule step; True stops the run there with
@@ -136,7 +139,9 @@ class TrialRun:
         tensor (a capturable optimizer, the dropout rate and SMART's values), so that an
         engine may capture the step; ``reused``: the model, loss weighting, regulariser and
         dropout rate an earlier run of the same structure left, which this run takes with
-        its own initial values."""
+        its own initial values.  ``start_scores``: where the evaluation at 0 examples is
+        read if a run with the same weights kept it, and kept otherwise (a search's
+        trials share one)."""
         setup_started = time.perf_counter()
         self.cfg = cfg
         self.data = data
@@ -145,6 +150,7 @@ class TrialRun:
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested
         self.threads_wanted = threads_wanted
+        self.start_scores = start_scores
         self.device = resolve_device(cfg.device)
         check_compile_mode(cfg.compile, self.device)
         check_step_mode(cfg.step_mode, self.device)
@@ -355,7 +361,7 @@ class TrialRun:
                  f"schedule={cfg.schedule} update={cfg.update} "
                  f"optimizer steps≈{self.total_steps} train rows={self.data.train_sizes()}")
         if cfg.eval_at_start and self.evaluations == 0 and self.examples_seen == 0:
-            self._evaluate_and_report()
+            self._evaluate_and_report(at_start=True)
 
     def next_update(self, buckets: SharedBuckets | None = None) -> Batches | None:
         """The host batches ({task: batch}) of this run's next optimizer step, or None when
@@ -535,10 +541,14 @@ class TrialRun:
                  f"({rate:.1f} ex/s) loss {losses} lr {self.lr_scheduler.get_last_lr()[0]:.2e}")
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate_and_report(self) -> None:
+    def _evaluate_and_report(self, at_start: bool = False) -> None:
         self.check_losses()  # a diverged run stops here, before it is scored or saved
         eval_started = time.perf_counter()
-        metrics = self.evaluate("val")
+        if at_start and self.start_scores is not None:  # kept by a run with these weights
+            metrics, self._last_val_predictions, _ = self.start_scores.scores(
+                self.model, self.scoring())
+        else:
+            metrics = self.evaluate("val")
         saving_started = time.perf_counter()
         self.timings["eval_s"] += saving_started - eval_started
         # the previous evaluation's checkpoint is written and reported before this one is

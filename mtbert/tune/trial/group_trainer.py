@@ -253,6 +253,7 @@ class GroupTrainer:
     def _join(self, seat: Seat) -> None:
         from mtbert.loop.training_group import TrainingGroup, eager, fuse_key, unfusable  # deferred: torch
         from mtbert.loop.trainer import Trainer  # deferred: torch
+        from mtbert.run.start_scores import StartScores  # deferred: torch
         from mtbert.run.trial_run import TrialRun  # deferred: torch
         try:
             alone = unfusable(seat.cfg)
@@ -260,8 +261,10 @@ class GroupTrainer:
             if seat.restore is not None:
                 resume_from = seat.restore.to_directory(str(seat.out_dir / "restored"))
             build = (Trainer, seat.cfg) if alone else (TrialRun, eager(seat.cfg))
+            # the trials of this trainer share their scores at 0 examples
             run = build[0](build[1], self.data, seat.out_dir / "run",
-                           report=self._report_to(seat, lambda: run), resume_from=resume_from)
+                           report=self._report_to(seat, lambda: run), resume_from=resume_from,
+                           start_scores=StartScores(self.root / "start_scores"))
         except Exception as exc:
             self._ended(seat, {"reason": "failed", "error": f"{type(exc).__name__}: {exc}"})
             return

@@ -212,6 +212,19 @@ def _write_running() -> None:
         run.write(examples_seen(), "worker exit")
 
 
+def search_start_scores(storage):
+    """Where the search's trials keep their scores at 0 examples
+    (:mod:`mtbert.run.start_scores`): ``start_scores`` in the search's folder, where that
+    folder is on this machine's file system (local or mounted); None on other storage
+    (each trial then scores its own)."""
+    import pyarrow.fs
+
+    from mtbert.run.start_scores import StartScores  # deferred: torch
+    if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+        return None
+    return StartScores(Path(storage.experiment_fs_path) / "start_scores")
+
+
 def mark_failed(marker: Path, reason: str) -> None:
     """Write a failed trial's reason where its records read it (best effort)."""
     try:
@@ -270,15 +283,15 @@ def _run(config: dict[str, Any], data, base: dict[str, Any], tune, entered_at: f
         resume_from = None
         if checkpoint is not None:
             resume_from = Path(checkpoint.to_directory(str(work / "restored")))
+        storage = tune.get_context().get_storage()
         try:
             trainer = Trainer(cfg, data, work / "run", report=report, resume_from=resume_from,
                               stop_requested=worker_exit.exit_requested,
                               threads_wanted=thread_share(held, node_id) if grow_threads
-                              else None)
+                              else None, start_scores=search_start_scores(storage))
         except ConfigError as exc:  # e.g. a compile mode this worker's device cannot run
             raise TrialFailed(f"invalid trial config: {exc}") from None
         startup["time/startup_s"] = time.time() - entered_at
-        storage = tune.get_context().get_storage()
         run = TrainedLog(storage.storage_filesystem, storage.trial_fs_path,
                          trainer.examples_seen)
         _running(run, lambda: trainer.examples_seen)
