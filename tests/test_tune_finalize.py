@@ -235,3 +235,32 @@ def test_the_store_opened_while_ray_starts_is_the_one_the_tracker_uses(tmp_path)
     assert tracker.client._tracking_client.store is store  # one store per URI, opened once
     assert tracker.client.get_run(parent).data.params == {"space": "x"}
     assert open_store_early("http://127.0.0.1:5000") is None
+
+
+def test_a_finalist_s_val_predictions_come_from_its_checkpoint_as_scoring_gives_them(
+        tiny_config, tmp_path):
+    """The finalists' phase reads val from the predictions a trial wrote with its checkpoint
+    (the same model, batches and precision scored them): equal, in value and dtype, to
+    scoring the checkpoint's weights again; a folder without them (an exported model) is
+    scored."""
+    import shutil
+
+    from mtbert.data import load_data
+    from mtbert.loop.trainer import Trainer
+    from mtbert.tune.results.finalists import kept_val_predictions, predict_member
+    cfg = tiny_config(epochs=1, eval_dev=False)
+    data = load_data(cfg)
+    Trainer(cfg, data, tmp_path / "run").fit()
+    checkpoint = tmp_path / "run" / "checkpoint"
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare)
+    shutil.rmtree(bare / "predictions")
+    assert kept_val_predictions(str(bare), data) is None
+    read = predict_member(str(checkpoint), data, splits=("val",))["val"]
+    scored = predict_member(str(bare), data, splits=("val",))["val"]
+    assert set(read) == set(scored) == {"sst", "qqp", "sts"}
+    for task, values in scored.items():
+        assert read[task].dtype == values.dtype, task
+        np.testing.assert_array_equal(read[task], values)
+    other_rows = load_data(tiny_config(epochs=1, eval_dev=False, max_eval_per_task=3))  # fewer
+    assert kept_val_predictions(str(checkpoint), other_rows) is None

@@ -29,15 +29,43 @@ from mtbert.tune.infra.location import weights_at_hand
 SPLITS = ("val", "dev", "test")
 
 
+def kept_val_predictions(checkpoint_dir: str, data) -> dict[str, np.ndarray] | None:
+    """{task: raw prediction} on val that a trial wrote with this checkpoint (the
+    evaluation it belongs to: ``predictions/val-{task}.parquet``), as :func:`predict_member`
+    gives them (SST's class, QQP's probability, STS's score); None where a task's file is
+    missing, unreadable or not of ``data``'s val rows (an exported model, another data)."""
+    import pyarrow.parquet as pq
+
+    kept = {}
+    for task in TASK_NAMES:
+        split = data.split(task, "val")
+        if split is None:
+            continue
+        try:
+            table = pq.read_table(Path(checkpoint_dir) / "predictions" / f"val-{task}.parquet")
+            column = "probability" if task == "qqp" else "prediction"
+            if table.column("id").to_pylist() != list(split.ids):
+                return None
+            kept[task] = table.column(column).to_numpy()
+        except (OSError, KeyError, ValueError):
+            return None
+    return kept
+
+
 def predict_member(checkpoint_dir: str, data, device: str = "cpu",
                    splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, np.ndarray]]:
-    """{split: {task: raw prediction}} of one best checkpoint on ``splits`` (val, dev, test)."""
+    """{split: {task: raw prediction}} of one best checkpoint on ``splits`` (val, dev, test);
+    val read from the checkpoint's own predictions where it has them (the same model,
+    batches and precision scored them: :func:`kept_val_predictions`)."""
     import torch
 
     cfg, model = load_checkpoint_model(checkpoint_dir, device=device)
     dev = torch.device(device)
     out: dict[str, dict[str, np.ndarray]] = {}
     for split_name in splits:
+        if split_name == "val" and (kept := kept_val_predictions(checkpoint_dir, data)):
+            out[split_name] = kept
+            continue
         out[split_name] = {}
         for task in TASK_NAMES:
             split = data.split(task, split_name)
