@@ -84,7 +84,7 @@ BUDGETS: dict[str, Budget] = {b.name: b for b in (
            max_examples=192, epochs=2, eval_every=48, eval_growth=1,
            grace_period=48, reduction_factor=3, warmup_examples=0,
            max_train_per_task=64, max_eval_per_task=32, num_samples=4, ensemble_top_k=3),
-    Budget("small", "~12 min on 2 CPU cores with MiniLM in bf16 (22 in float32): 1,000 "
+    Budget("small", "~11 min on 2 CPU cores with MiniLM in bf16 (17 in float32): 1,000 "
                     "train rows per task, 2 epochs",
            max_examples=6000, epochs=2, eval_every=1000, eval_growth=2,
            grace_period=1000, reduction_factor=2, warmup_examples=500,
