@@ -384,11 +384,15 @@ class SmartRegulariser:
             return None
         task = args[0] if args else kwargs.get("task")
         batch = args[1] if len(args) > 1 else kwargs.get("batch")
-        if not self.lambda_on.get(task) and self.teacher is None:
-            return None  # no term on this task: nothing to replay
+        if not self._has_term(task):
+            return None  # nothing to replay
         if isinstance(batch, dict) and batch:
             self._seen = (task, batch, self.rng.remember())
         return None
+
+    def _has_term(self, task: str) -> bool:
+        """Whether ``task`` gets a term: smoothness (λ on) or Bregman (a teacher)."""
+        return bool(self.lambda_on.get(task)) or self.teacher is not None
 
     def _replay_state(self, task: str, batch: dict[str, torch.Tensor]):
         seen, self._seen = self._seen, None
@@ -480,7 +484,7 @@ class SmartRegulariser:
         total = compared.new_zeros((), dtype=torch.float32)
         rng = self._replay_state(task, batch)
         try:
-            if not self.lambda_on[task] and self.teacher is None:
+            if not self._has_term(task):
                 return total
             return self._term(_OneModel(self, model), task, batch, compared, rng, total)
         finally:
