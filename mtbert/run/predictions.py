@@ -36,6 +36,24 @@ def write_predictions(folder: Path, split_name: str, splits: dict, predictions: 
                 lambda tmp, ids=split.ids, values=label, t=task: write_cs224n_csv(tmp, t, ids, values))
 
 
+def read_predictions(folder: Path, split_name: str,
+                     splits: dict) -> dict[str, np.ndarray] | None:
+    """{task: raw prediction} from the Parquet files :func:`write_predictions` wrote for
+    ``splits`` (SST's class, QQP's probability, STS's score); None where a task's file is
+    missing, unreadable or not of that split's rows."""
+    read = {}
+    for task, split in splits.items():
+        try:
+            table = pq.read_table(Path(folder) / f"{split_name}-{task}.parquet")
+            if table.column("id").to_pylist() != list(split.ids):
+                return None
+            column = "probability" if task == "qqp" else "prediction"  # QQP's raw value
+            read[task] = table.column(column).to_numpy()
+        except (OSError, KeyError, ValueError):
+            return None
+    return read
+
+
 def write_cs224n_csv(path: str | Path, task: str, ids: list[str], values: np.ndarray) -> None:
     with open(path, "w", encoding="utf-8", newline="") as fh:
         writer = csv.writer(fh)

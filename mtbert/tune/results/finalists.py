@@ -21,7 +21,7 @@ from mtbert.core.devices import uses_bf16
 from mtbert.data import encoding_for, eval_token_cap
 from mtbert.run.ensemble import combine, greedy_task_selection, task_labels
 from mtbert.run.metrics import scalar_metrics, split_metrics, task_metrics
-from mtbert.run.predictions import write_predictions
+from mtbert.run.predictions import read_predictions, write_predictions
 from mtbert.core.tasks import TASK_NAMES
 from mtbert.run.inference import load_checkpoint_model, predict_split
 from mtbert.tune.infra.location import weights_at_hand
@@ -32,24 +32,10 @@ SPLITS = ("val", "dev", "test")
 def kept_val_predictions(checkpoint_dir: str, data) -> dict[str, np.ndarray] | None:
     """{task: raw prediction} on val that a trial wrote with this checkpoint (the
     evaluation it belongs to: ``predictions/val-{task}.parquet``), as :func:`predict_member`
-    gives them (SST's class, QQP's probability, STS's score); None where a task's file is
-    missing, unreadable or not of ``data``'s val rows (an exported model, another data)."""
-    import pyarrow.parquet as pq
-
-    kept = {}
-    for task in TASK_NAMES:
-        split = data.split(task, "val")
-        if split is None:
-            continue
-        try:
-            table = pq.read_table(Path(checkpoint_dir) / "predictions" / f"val-{task}.parquet")
-            column = "probability" if task == "qqp" else "prediction"
-            if table.column("id").to_pylist() != list(split.ids):
-                return None
-            kept[task] = table.column(column).to_numpy()
-        except (OSError, KeyError, ValueError):
-            return None
-    return kept
+    gives them; None where a task's file is missing, unreadable or not of ``data``'s val
+    rows (an exported model, another data)."""
+    splits = {t: s for t in TASK_NAMES if (s := data.split(t, "val")) is not None}
+    return read_predictions(Path(checkpoint_dir) / "predictions", "val", splits)
 
 
 def predict_member(checkpoint_dir: str, data, device: str = "cpu",
