@@ -306,7 +306,7 @@ def test_trial_adamw_is_torch_adamw_on_each_slice():
     stacked = torch.stack([p.detach() for p in solo]).requires_grad_()
     optimizers = [torch.optim.AdamW([p], lr=lr, weight_decay=wd, fused=True)
                   for p, lr, wd in zip(solo, lrs, decays)]
-    fused = TrialAdamW({"w": stacked}, {"w": 0})
+    fused = TrialAdamW({"w": stacked}, {"w": 0}, [decays])
     scale = torch.logspace(-12, 0, 20, dtype=torch.float64).view(5, 4)
     rates = torch.tensor([lrs], dtype=torch.float64)
     for step in range(12):
@@ -323,7 +323,7 @@ def test_trial_adamw_is_torch_adamw_on_each_slice():
         stacked.grad = grads.clone()
         on = {"w": torch.tensor([float(m) for m in mask], dtype=torch.float64)}
         fused.clip_(torch.tensor(clips, dtype=torch.float64), on)
-        fused.step(rates, torch.tensor([decays], dtype=torch.float64), on)
+        fused.step(rates, on)
         for n, on in enumerate(mask):
             assert torch.allclose(stacked[n], solo[n], rtol=1e-14, atol=0), n
             if not on:

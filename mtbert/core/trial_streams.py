@@ -165,15 +165,36 @@ class _TrialDraw(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, draw, generators, dtype):
-        x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else x.expand(info.batch_size,
-                                                                            *x.shape)
+        if in_dims[0] is None:
+            x = x.expand(info.batch_size, *x.shape)
+        elif in_dims[0] != 0:
+            x = x.movedim(in_dims[0], 0)
         out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-        if len(generators) == 1:  # one stream for the trials (a group's): one draw
-            draw(out, generators[0], None)
-        else:
-            for n, part in enumerate(out.unbind(0)):
-                draw(part, generators[n], n)
+        _draw_trials(out, draw, generators)
         return out, 0
+
+
+def _draw_trials(out: torch.Tensor, draw, generators: Sequence[torch.Generator]) -> None:
+    """``out`` (``[N, ...]``) drawn for N trials: with one stream (a group's) one draw for
+    all, else each trial's slice from its own."""
+    if len(generators) == 1:
+        draw(out, generators[0], None)
+    else:
+        for n, part in enumerate(out.unbind(0)):
+            draw(part, generators[n], n)
+
+
+@contextlib.contextmanager
+def folded_trials(n: int):
+    """Inside the block, tensors hold N trials' rows folded into their leading axis
+    (:func:`mtbert.model.trial_axis.fold_trials`): :func:`trial_draw` draws them as it draws
+    a ``[N, ...]`` tensor inside ``vmap``."""
+    outer = getattr(_active, "folded", None)
+    _active.folded = n
+    try:
+        yield
+    finally:
+        _active.folded = outer
 
 
 def trial_draw(x: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator | None,
@@ -184,7 +205,13 @@ def trial_draw(x: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator | 
     ``draw(out, generator, n)`` fills in place: for
     one trial with ``generators[0]``; inside ``vmap`` over N trials, trial n's slice (its
     shape a trial's alone) with ``generators[n]``, or with one generator all the trials'
-    ``[N, ...]`` at once (``n`` None)."""
+    ``[N, ...]`` at once (``n`` None); the same for N trials' rows folded into one axis
+    (:func:`folded_trials`)."""
+    folded = getattr(_active, "folded", None)
+    if folded is not None:  # N trials' rows in one axis (folded_trials)
+        out = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+        _draw_trials(out.view(folded, -1, *x.shape[1:]), draw, generators)
+        return out
     if not is_batchedtensor(x):  # one trial, outside vmap
         tape = getattr(_active, "tape", None)
         if tape is not None and tape.generator is generators[0]:
@@ -192,4 +219,4 @@ def trial_draw(x: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator | 
         out = torch.empty_like(x, dtype=dtype)
         draw(out, generators[0], 0)
         return out
-    return _TrialDraw.apply(x.detach(), draw, list(generators), dtype)
+    return _TrialDraw.apply(x, draw, list(generators), dtype)  # x: its shape only

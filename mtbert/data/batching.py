@@ -181,6 +181,13 @@ def pad_rows(rows: list[np.ndarray], pad_id: int, width: int = 0, num_rows: int 
     """``[num_rows or len(rows), width]`` ids and mask (``width`` 0: the longest row's).
     Filler rows past ``len(rows)`` hold one attended ``pad_id`` token (so attention and
     mean pooling stay finite)."""
+    ids, mask = _padded_arrays(rows, pad_id, width, num_rows)
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def _padded_arrays(rows: list[np.ndarray], pad_id: int, width: int = 0, num_rows: int = 0,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pad_rows`' ids and mask as NumPy arrays."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     width = width or int(lengths.max())
     if num_rows > len(rows):
@@ -189,7 +196,7 @@ def pad_rows(rows: list[np.ndarray], pad_id: int, width: int = 0, num_rows: int 
     mask = np.arange(width) < lengths[:, None]
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     ids[mask] = np.concatenate(rows)  # row-major: row i's tokens fill its first lengths[i] slots
-    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
+    return ids, mask.astype(np.int64)
 
 
 def _width(rows: list[np.ndarray], static_max_length: int) -> int:
@@ -198,7 +205,7 @@ def _width(rows: list[np.ndarray], static_max_length: int) -> int:
 
 
 def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
-            static_max_length: int = 0, rows: int = 0) -> dict[str, torch.Tensor]:
+            static_max_length: int = 0, rows: int = 0) -> HostBatch:
     """Padded tensors for the rows ``indices``: padding to the batch's longest row, or with
     ``static_max_length`` (``pad_lengths=buckets``) up to its :func:`static_length` (both
     siamese sides to one length, so each task meets one shape per static length).
@@ -214,32 +221,44 @@ def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
     tok = split.tokens
     static = static_max_length
     n = max(rows, len(indices))
-    batch: dict[str, torch.Tensor] = {}
+    arrays: dict[str, np.ndarray] = {}
     if encoding == "single":
         seqs = [tok.a[i] for i in indices]
-        batch["input_ids"], batch["attention_mask"] = pad_rows(seqs, pad_id, _width(seqs, static), n)
+        arrays["input_ids"], arrays["attention_mask"] = _padded_arrays(
+            seqs, pad_id, _width(seqs, static), n)
     elif encoding == "cross":
         seqs = [tok.pair[i] for i in indices]
         width = _width(seqs, static)
-        batch["input_ids"], batch["attention_mask"] = pad_rows(seqs, pad_id, width, n)
-        batch["token_type_ids"], _ = pad_rows([tok.pair_types[i] for i in indices], 0, width, n)
+        arrays["input_ids"], arrays["attention_mask"] = _padded_arrays(seqs, pad_id, width, n)
+        arrays["token_type_ids"], _ = _padded_arrays([tok.pair_types[i] for i in indices], 0,
+                                                     width, n)
     else:
         a, b = [tok.a[i] for i in indices], [tok.b[i] for i in indices]
         width_a, width_b = _width(a, static), _width(b, static)
         if static:
             width_a = width_b = max(width_a, width_b)
-        batch["input_ids_a"], batch["attention_mask_a"] = pad_rows(a, pad_id, width_a, n)
-        batch["input_ids_b"], batch["attention_mask_b"] = pad_rows(b, pad_id, width_b, n)
+        arrays["input_ids_a"], arrays["attention_mask_a"] = _padded_arrays(a, pad_id, width_a, n)
+        arrays["input_ids_b"], arrays["attention_mask_b"] = _padded_arrays(b, pad_id, width_b, n)
     if split.labels is not None:
         labels = np.asarray(split.labels[indices])
         if n > len(indices):
             labels = np.concatenate([labels, np.zeros(n - len(indices), dtype=labels.dtype)])
-        batch["labels"] = torch.from_numpy(labels)
+        arrays["labels"] = labels
     if rows:
         weights = np.zeros(n, dtype=np.float32)
         weights[:len(indices)] = 1.0
-        batch[ROW_WEIGHTS] = torch.from_numpy(weights)
-    return batch
+        arrays[ROW_WEIGHTS] = weights
+    return HostBatch(arrays)
+
+
+class HostBatch(dict):
+    """A collated batch: name -> CPU tensor, each sharing its memory with the NumPy array in
+    ``arrays`` (what the fused step packs N trials' batches from, without a torch op a
+    trial: :func:`mtbert.step.fused_model.stack_batches`)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        super().__init__({k: torch.from_numpy(v) for k, v in arrays.items()})
+        self.arrays = arrays
 
 
 def real_rows(batch: dict[str, torch.Tensor]) -> int:

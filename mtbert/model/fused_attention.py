@@ -24,6 +24,7 @@ from transformers.masking_utils import sdpa_mask
 
 from mtbert.model.dropout_rate import DropoutRate, RateDropout
 from mtbert.model.model import BATCHED_ATTENTION, STREAM_ATTENTION  # registered names
+from mtbert.model.trial_axis import fold_trials
 
 
 def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -34,18 +35,25 @@ def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     attend, or additive); returns ``([rows, tokens, heads, head size], None)``."""
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+
+    def attend(query, key, value, mask=None):
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        probs = scores.softmax(-1)
+        if isinstance(module.dropout, RateDropout):  # from the trials' streams
+            probs = module.dropout(probs) if dropout > 0 else probs
         else:
-            scores = scores + attention_mask
-    probs = scores.softmax(-1)
-    if isinstance(module.dropout, RateDropout):  # from the trials' streams
-        probs = module.dropout(probs) if dropout > 0 else probs
-    else:
-        probs = F.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+            probs = F.dropout(probs, p=dropout, training=module.training)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+    # under vmap (the fused skeleton) once over every trial's rows; the probabilities'
+    # dropout is then one draw over them all, as the vmapped draw from the group's stream
+    masks = () if attention_mask is None else (attention_mask,)
+    return fold_trials(attend, query, key, value, *masks), None
 
 
 def stream_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,

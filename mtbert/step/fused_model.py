@@ -52,6 +52,7 @@ from torch.func import functional_call, vmap
 from mtbert.data import ROW_WEIGHTS
 from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
 from mtbert.model.fused_attention import draw_attention_from, use_batched_attention
+from mtbert.model.trial_axis import use_trial_axis_linears
 from mtbert.techniques.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
@@ -104,6 +105,7 @@ class FusedModel:
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
+        use_trial_axis_linears(self.skeleton)
         # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
         rates = DropoutRate([float(p) for p in dropouts], device)
         rates.generators[:] = list(generators)
@@ -167,15 +169,15 @@ def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
     keys = [k for k in real[0] if k != ROW_WEIGHTS]
     out: dict[str, torch.Tensor] = {}
     for k in keys:
-        like = real[0][k]
+        like = _array(real[0], k)
         width = max(b[k].shape[1] for b in real) if like.ndim == 2 else None
         shape = (n, rows) if width is None else (n, rows, width)
         fill = pad_id if k.startswith("input_ids") else 0
-        packed = np.full(shape, fill, dtype=like.numpy().dtype)
+        packed = np.full(shape, fill, dtype=like.dtype)
         for i, b in enumerate(batches):
             have = 0 if b is None else len(b["labels"])
             if b is not None:
-                value = b[k].numpy()
+                value = _array(b, k)
                 packed[(i, slice(0, have)) + tuple(slice(0, s) for s in value.shape[1:])] = value
             if k.startswith("attention_mask"):
                 packed[i, have:, 0] = 1  # filler rows: one attended token (finite attention)
@@ -184,6 +186,13 @@ def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
     for i, b in enumerate(batches):
         if b is not None:
             have = len(b["labels"])
-            weights[i, :have] = b[ROW_WEIGHTS].numpy() if ROW_WEIGHTS in b else 1.0
+            weights[i, :have] = _array(b, ROW_WEIGHTS) if ROW_WEIGHTS in b else 1.0
     out[ROW_WEIGHTS] = torch.from_numpy(weights)
     return out
+
+
+def _array(batch: dict[str, torch.Tensor], key: str) -> np.ndarray:
+    """A host batch's ``key`` as NumPy: the collated array it shares memory with
+    (:class:`mtbert.data.batching.HostBatch`), else the tensor's ``numpy()``."""
+    arrays = getattr(batch, "arrays", None)
+    return arrays[key] if arrays is not None else batch[key].numpy()

@@ -107,11 +107,11 @@ class StackedTrials:
             raise ValueError("a fused trial's optimizer holds parameters outside its model "
                              "and loss weighting")
         self.group_of = group_of
-        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of)
+        self.optimizer = TrialAdamW({k: self.trained[k] for k in group_of}, group_of,
+                                    self._per_group("weight_decay"))
         # per-trial values the update reads, on the device: [G, N] rates, [N] clip norms
-        self.weight_decays = torch.tensor(self._per_group("weight_decay"), dtype=torch.float64,
-                                          device=self.device)
-        self.lrs = torch.zeros_like(self.weight_decays)
+        self.lrs = torch.zeros(len(first.optimizer.param_groups), self.n, dtype=torch.float64,
+                               device=self.device)
         self.max_norms = torch.tensor([float(t.cfg.max_grad_norm) for t in self.trials],
                                       dtype=torch.float64, device=self.device)
         #: the update over the trial axis, its SMART teachers following the stacked weights
@@ -182,12 +182,13 @@ class StackedTrials:
 
     def update(self) -> None:
         self.updater.step(self._masks(self.pattern, self.penalised), self.lrs,
-                          self.weight_decays, self.pattern["stepping"])
+                          self.pattern["stepping"])
         self.updater.clear()
         self.stepping, self.batches, self.orders = {}, {}, None
 
     def losses_of(self, losses, batches):
-        return {trial: {t: losses[t][self.slot[trial]] for t in trial_batches}
+        slices = {t: loss.unbind(0) for t, loss in losses.items()}  # one op a task, any N
+        return {trial: {t: slices[t][self.slot[trial]] for t in trial_batches}
                 for trial, trial_batches in batches.items()}
 
     # ------------------------------------------------------------------ helpers

@@ -27,6 +27,7 @@ from torch import nn
 from mtbert.core.config import TrainConfig
 from mtbert.data import ROW_WEIGHTS
 from mtbert.model.model import COSINE_MAPS, TaskOutput
+from mtbert.model.trial_axis import fold_trials
 from mtbert.core.tasks import TASK_NAMES
 
 
@@ -45,15 +46,24 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's cross-entropy (in a fused step, every trial's rows in one call)."""
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+def _binary_cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's binary cross-entropy on its logit (fused: every trial's rows at once)."""
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+
+
 def task_loss(task: str, out: TaskOutput, labels: torch.Tensor, cfg: TrainConfig,
               weights: torch.Tensor | None = None) -> torch.Tensor:
     """The task's loss, a mean over the batch's rows (``weights``: 0 for filler rows)."""
     if task == "sst":
-        rows = F.cross_entropy(_wide(out.logits), labels.long(), reduction="none")
+        rows = fold_trials(_cross_entropy_rows, _wide(out.logits), labels.long())
     elif task == "qqp":
         logits = _wide(out.logits)
-        rows = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
-                                                  reduction="none")
+        rows = fold_trials(_binary_cross_entropy_rows, logits, labels.to(logits.dtype))
     else:
         return sts_loss(out, labels.float(), cfg, weights)
     return weighted_mean(rows, weights)
@@ -86,8 +96,8 @@ def sts_loss(out: TaskOutput, y: torch.Tensor, cfg: TrainConfig,
     if kind == "mse":
         return mse(out.score)
     if kind == "ce_bins":
-        return weighted_mean(F.cross_entropy(_wide(out.logits), y.round().long(),
-                                             reduction="none"), weights)
+        return weighted_mean(fold_trials(_cross_entropy_rows, _wide(out.logits),
+                                         y.round().long()), weights)
     head_mse = mse(out.score) if cfg.sts_head == "regression" else 0.0
     if kind == "cosine_mse":
         cos_score = out.cos_score

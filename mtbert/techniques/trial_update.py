@@ -49,16 +49,15 @@ class TrialUpdate:
             self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, masks: dict[str, torch.Tensor] | None = None,
-             lrs: torch.Tensor | None = None, weight_decays: torch.Tensor | None = None,
-             stepping: torch.Tensor | None = None) -> None:
+             lrs: torch.Tensor | None = None, stepping: torch.Tensor | None = None) -> None:
         """Clip, AdamW, the teacher's EMA.  N trials: ``masks`` name -> ``[N]`` 0/1 (the
-        trials whose step reached the parameter), ``lrs`` and ``weight_decays`` ``[G, N]``
-        (each trial's rates per parameter group), ``stepping`` ``[N]`` bool (the trials that
+        trials whose step reached the parameter), ``lrs`` ``[G, N]`` (each trial's learning
+        rate per parameter group; its weight decays are the optimizer's), ``stepping`` ``[N]`` bool (the trials that
         step: the others' teachers stay).  One trial: none of them (its optimizer's groups
         hold its rates)."""
         if self.stacked:
             self.optimizer.clip_(self.max_norm, masks)
-            self.optimizer.step(lrs, weight_decays, masks)
+            self.optimizer.step(lrs, masks)
         else:
             if self.max_norm:
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
