@@ -58,13 +58,129 @@ class TrialAxisLinear(torch.autograd.Function):
         n = info.batch_size
         x = _leading(x, in_dims[0], n)
         weight = _leading(weight, in_dims[1], n)
-        flat = x.reshape(n, -1, x.shape[-1])
+        rows = x.dim() == 3  # [N, rows, in] already: no reshape either way
+        flat = x if rows else x.reshape(n, -1, x.shape[-1])
         if bias is None:
             out = torch.bmm(flat, weight.transpose(1, 2))
         else:
             bias = _leading(bias, in_dims[2], n)
             out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
-        return out.view(*x.shape[:-1], weight.shape[1]), 0
+        return (out if rows else out.view(*x.shape[:-1], weight.shape[1])), 0
+
+
+class _TrialRows(torch.autograd.Function):
+    """``F.embedding`` over N trials' tables flattened to ``[N·V, H]`` (the ids offset by
+    n·V), whose gradient leaves each trial's ``padding_idx`` row at 0 as ``nn.Embedding``'s
+    does."""
+
+    @staticmethod
+    def forward(ids, table, rows, padding_idx):
+        return F.embedding(ids, table)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ids, table, ctx.rows, ctx.padding_idx = inputs
+        ctx.save_for_backward(ids)
+        ctx.num_weights = table.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, = ctx.saved_tensors
+        table = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.num_weights, -1, False)
+        table.view(-1, ctx.rows, table.shape[-1]).select(1, ctx.padding_idx).zero_()
+        return None, table, None, None
+
+
+_offsets: dict[tuple, torch.Tensor] = {}
+
+
+def _trial_offsets(n: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """``[N, 1, ...]`` (``like``'s dims): n·rows, trial n's first row in the flattened
+    tables; made once per shape and device."""
+    key = (n, rows, like.device, like.dim())
+    if key not in _offsets:
+        _offsets[key] = (torch.arange(n, device=like.device) * rows).view(
+            (n,) + (1,) * (like.dim() - 1))
+    return _offsets[key]
+
+
+class TrialAxisEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight)``; under ``vmap`` one lookup in every trial's table."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(ids, weight, padding_idx):
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("TrialAxisEmbedding is differentiated through its vmap rule only")
+
+    @staticmethod
+    def vmap(info, in_dims, ids, weight, padding_idx):
+        n = info.batch_size
+        ids, weight = _leading(ids, in_dims[0], n), _leading(weight, in_dims[1], n)
+        ids = ids + _trial_offsets(n, weight.shape[1], ids)
+        table = weight.flatten(0, 1)
+        if padding_idx is None:
+            return F.embedding(ids, table), 0
+        return _TrialRows.apply(ids, table, weight.shape[1], padding_idx), 0
+
+
+class TrialAxisLayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` over the last axis; under ``vmap`` the trials' rows normalised
+    together and each scaled and shifted by its trial's gains: one ``addcmul``."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(x, weight, bias, eps):
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("TrialAxisLayerNorm is differentiated through its vmap rule only")
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, eps):
+        n = info.batch_size
+        x = _leading(x, in_dims[0], n)
+        shape = (n,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+        gains = _leading(weight, in_dims[1], n).view(shape)
+        shifts = _leading(bias, in_dims[2], n).view(shape)
+        return _Affine.apply(F.layer_norm(x, x.shape[-1:], eps=eps), gains, shifts), 0
+
+
+class _Affine(torch.autograd.Function):
+    """``normed · gains + shifts`` (one ``addcmul``; gains and shifts broadcast over the
+    rows), its backward the three products autograd's ``addcmul`` takes five ops for."""
+
+    @staticmethod
+    def forward(normed, gains, shifts):
+        return torch.addcmul(shifts, normed, gains)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        normed, gains, _ = inputs
+        ctx.save_for_backward(normed, gains)
+
+    @staticmethod
+    def backward(ctx, grad):
+        normed, gains = ctx.saved_tensors
+        rows = tuple(range(1, grad.dim() - 1))  # the axes gains broadcast over
+        if not rows:  # [N, H]: one row a trial
+            return grad * gains, grad * normed, grad
+        return (grad * gains, (grad * normed).sum(rows, keepdim=True),
+                grad.sum(rows, keepdim=True))
 
 
 class StackedLinear(nn.Linear):
@@ -75,12 +191,38 @@ class StackedLinear(nn.Linear):
         return TrialAxisLinear.apply(x, self.weight, self.bias)
 
 
-def use_trial_axis_linears(model: nn.Module) -> None:
-    """Every ``nn.Linear`` of ``model`` (a fused skeleton) becomes a :class:`StackedLinear`
-    (the same parameters and names)."""
+class StackedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` of the fused skeleton: :class:`TrialAxisEmbedding` under
+    ``vmap``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not is_batchedtensor(self.weight):
+            return super().forward(ids)
+        return TrialAxisEmbedding.apply(ids, self.weight, self.padding_idx)
+
+
+class StackedLayerNorm(nn.LayerNorm):
+    """An ``nn.LayerNorm`` (one axis, affine) of the fused skeleton:
+    :class:`TrialAxisLayerNorm` under ``vmap``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_batchedtensor(self.weight):
+            return super().forward(x)
+        return TrialAxisLayerNorm.apply(x, self.weight, self.bias, self.eps)
+
+
+def use_trial_axis_layers(model: nn.Module) -> None:
+    """``model``'s (a fused skeleton's) ``nn.Linear``, ``nn.Embedding`` (no max norm) and
+    one-axis affine ``nn.LayerNorm`` become their stacked classes above (the same
+    parameters and names)."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = StackedLinear
+        elif type(module) is nn.Embedding and module.max_norm is None and not module.sparse:
+            module.__class__ = StackedEmbedding
+        elif (type(module) is nn.LayerNorm and len(module.normalized_shape) == 1
+              and module.weight is not None and module.bias is not None):
+            module.__class__ = StackedLayerNorm
 
 
 class _FoldTrials(torch.autograd.Function):

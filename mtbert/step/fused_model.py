@@ -52,7 +52,7 @@ from torch.func import functional_call, vmap
 from mtbert.data import ROW_WEIGHTS
 from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
 from mtbert.model.fused_attention import draw_attention_from, use_batched_attention
-from mtbert.model.trial_axis import use_trial_axis_linears
+from mtbert.model.trial_axis import use_trial_axis_layers
 from mtbert.techniques.losses import batch_loss, penalised_parameters
 
 #: the encoders the fused step is built and checked for (``config.model_type``)
@@ -105,7 +105,7 @@ class FusedModel:
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
-        use_trial_axis_linears(self.skeleton)
+        use_trial_axis_layers(self.skeleton)
         # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
         rates = DropoutRate([float(p) for p in dropouts], device)
         rates.generators[:] = list(generators)

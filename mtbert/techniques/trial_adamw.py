@@ -67,8 +67,12 @@ class TrialAdamW:
         #: per parameter, as the ``_foreach`` ops take them
         self.factors = {d: torch.ones(6, len(self.names), self.n, dtype=d, device=self.device)
                         for d in dtypes}
+        self._scale_rows = [held[0] for held in self.factors.values()]
+        self._adamw_rows = [held[1:] for held in self.factors.values()]
+        self._one = torch.ones((), dtype=torch.float64, device=self.device)
+        self._clips: dict[tuple, tuple] = {}
         self.lists: dict[str, list] = {"grads": []}
-        self._masks: dict[int, tuple] = {}
+        self._masks: dict[int, dict] = {}
 
     def _held_lists(self) -> dict[str, list]:
         """The tensor lists the ``_foreach`` ops take, made once: the gradients are held
@@ -92,37 +96,45 @@ class TrialAdamW:
                       "scale": views[0], "adamw": views[1:]}
         return self.lists
 
-    def stacked_masks(self, masks: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[P, N]`` float64: row i the mask of ``names[i]`` (0 where a name is absent);
-        made once per masks dict (the step's are made once per pattern and kept)."""
+    def _per_masks(self, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the step reads of ``masks``, made once per masks dict (the step's are made
+        once per pattern and kept): ``on`` ``[P, N]`` float64 (row i the mask of
+        ``names[i]``, 0 where a name is absent), the step counts' increments, the stepping
+        slices, AdamW's blend weights and clipping's ``[N, P]`` reach."""
         held = self._masks.get(id(masks))
-        if held is None or held[0] is not masks:
+        if held is None or held["masks"] is not masks:
             zero = torch.zeros(self.n, dtype=torch.float64, device=self.device)
             on = torch.stack([masks[k].to(torch.float64) if k in masks else zero
                               for k in self.names])
-            held = (masks, on, on > 0, on * (1.0 - self.beta1), on * (1.0 - self.beta2),
-                    on.t().contiguous())
+            held = {"masks": masks, "on": on, "increments": on.to(self.steps.dtype),
+                    "stepping": on > 0, "w_m": on * (1.0 - self.beta1),
+                    "w_v": on * (1.0 - self.beta2), "reached": on.t().contiguous()}
             self._masks[id(masks)] = held
-        return held[1]
+        return held
 
-    def _write(self, factors: torch.Tensor) -> None:
-        """The ``[F', P, N]`` float64 factors into the held buffers (the last F' of each)."""
-        for held in self.factors.values():
-            held[-factors.shape[0]:].copy_(factors)
+    def _limits(self, max_norms: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """``max_norms`` in ``dtype`` and where it is > 0 (made once per tensor)."""
+        key = (id(max_norms), dtype)
+        held = self._clips.get(key)
+        if held is None or held[0] is not max_norms:
+            held = (max_norms, max_norms.to(dtype), max_norms > 0)
+            self._clips[key] = held
+        return held[1], held[2]
 
     @torch.no_grad()
     def clip_(self, max_norms: torch.Tensor, masks: dict[str, torch.Tensor]) -> None:
         """Each trial's gradient scaled to its ``max_norms[n]`` (0: not clipped), the norm
         over the parameters its step reached (``masks``: name -> ``[N]`` 0/1)."""
-        self.stacked_masks(masks)
-        reached = self._masks[id(masks)][5]                                 # [N, P]
+        held = self._per_masks(masks)
         lists = self._held_lists()
         norms = torch.stack(torch._foreach_norm(lists["slices"])).view(self.n, -1)
-        total = torch.linalg.vector_norm(norms * reached.to(norms.dtype), dim=1)
-        limit = max_norms.to(total.dtype)
-        scale = torch.where(limit > 0, torch.clamp(limit / (total + 1e-6), max=1.0), 1.0)
-        for held in self.factors.values():
-            held[0].copy_(scale.expand(len(self.names), self.n))
+        if held["reached"].dtype != norms.dtype:
+            held["reached"] = held["reached"].to(norms.dtype)
+        total = torch.linalg.vector_norm(norms * held["reached"], dim=1)
+        limit, clips = self._limits(max_norms, total.dtype)
+        scale = torch.where(clips, torch.clamp(limit / (total + 1e-6), max=1.0), self._one)
+        for row in self._scale_rows:
+            row.copy_(scale)  # [N] over every parameter's row
         torch._foreach_mul_(lists["grads"], lists["scale"])
 
     @torch.no_grad()
@@ -130,26 +142,28 @@ class TrialAdamW:
         """``lrs``: ``[G, N]`` device tensor, each trial's learning rate per group;
         ``masks``: name -> ``[N]`` 0/1, the trials whose slice of it steps (a name absent
         steps no trial)."""
-        on = self.stacked_masks(masks)                                      # [P, N]
-        _, _, stepping, w_m, w_v, _ = self._masks[id(masks)]
-        self.steps.add_(on.to(self.steps.dtype))
+        held = self._per_masks(masks)
+        on, stepping, one = held["on"], held["stepping"], self._one               # [P, N]
+        self.steps.add_(held["increments"])
         # the per-trial factors in float64 (as torch's kernel takes its scalars); a slice
         # that does not step gets blend weights 0 and factors 1: it stays bit for bit
         t = self.steps.to(torch.float64)
-        first = torch.where(stepping, 1.0 - torch.pow(self.beta1, t), 1.0)
-        second = torch.where(stepping, 1.0 - torch.pow(self.beta2, t), 1.0)
+        first = torch.where(stepping, 1.0 - torch.pow(self.beta1, t), one)
+        second = torch.where(stepping, 1.0 - torch.pow(self.beta2, t), one)
         lr = lrs.index_select(0, self.group_index)                     # [P, N]
-        decay = torch.where(stepping, 1.0 - lr * self.decays, 1.0)
+        decay = torch.where(stepping, 1.0 - lr * self.decays, one)
         # θ −= lr/(1 − β₁ᵗ) · m / (√v/√(1 − β₂ᵗ) + ε), written with one division fewer:
         # θ += m / ((√v + ε√(1 − β₂ᵗ)) / r), r = −lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ); r = 0 where a
         # slice does not step, so its divisor is +inf and its weights move by exactly 0
         root = second.sqrt()
         rate = -(on * lr * root / first)
-        self._write(torch.stack([w_m,                 # m's blend weight, 1 − β₁ where on
-                                 w_v,                 # v's blend weight, 1 − β₂ where on
-                                 decay,               # θ(1 − lr·λ)
-                                 self.eps * root,     # ε√(1 − β₂ᵗ)
-                                 rate]))
+        factors = torch.stack([held["w_m"],         # m's blend weight, 1 − β₁ where on
+                               held["w_v"],         # v's blend weight, 1 − β₂ where on
+                               decay,               # θ(1 − lr·λ)
+                               self.eps * root,     # ε√(1 − β₂ᵗ)
+                               rate])
+        for rows in self._adamw_rows:
+            rows.copy_(factors)
         lists = self._held_lists()
         w_m, w_v, decay, eps, rate = lists["adamw"]
         params, grads = lists["params"], lists["grads"]
