@@ -6,7 +6,9 @@ attention batch, so the fused encoder keeps ``sdpa`` there.  The CPU's kernel
 (``_scaled_dot_product_flash_attention_for_cpu``, torch 2.13) has none, and
 transformers' ``eager`` attention cannot run under ``vmap``.  This is the same arithmetic
 written with ops that do batch: ``softmax(q kᵀ · scale + mask) v`` (Vaswani et al. 2017,
-eq. 1), whose two matmuls become one batched matmul over trials × rows × heads.
+eq. 1), run once over every trial's rows folded together
+(:func:`mtbert.model.trial_axis.fold_trials`): each matmul one batched matmul over trials
+× rows × heads, in the solo step's ops.
 
 Measured on one CPU thread (MiniLM's shapes: 2 trials × 32 rows × 12 heads × 40 tokens
 × 32, forward and backward of one layer's attention): SDPA once per trial 32.7 ms,

@@ -6,12 +6,13 @@ fusion is ``torch.func``'s: the N trials' :class:`~mtbert.model.model.MultitaskM
 built exactly as its solo run builds it, are stacked into one ``[N, ...]`` tensor per
 parameter and buffer, and one trial's forward and loss (:func:`mtbert.techniques.losses.batch_loss`,
 the function the solo steps run) is ``vmap``-ed over the trial axis of the weights and of
-the batch.  What the batching rules make of it: a linear layer is one batched matmul
-for all N, embeddings gather from the stacked tables and LayerNorm scales by each
-trial's own gains, and attention folds the trial axis into its batch: on CUDA SDPA's
-kernels have batching rules that do so; on the CPU, whose SDPA kernel has none in torch
-2.13, the skeleton's attention is :mod:`mtbert.model.fused_attention`'s (the same arithmetic in
-ops that batch).  One
+the batch.  The skeleton's linear layers, embeddings and LayerNorms take the batching
+rules of :mod:`mtbert.model.trial_axis` (one ``baddbmm`` a linear layer for all N, one
+lookup in the stacked tables, each trial's gains in one ``addcmul``: about the solo
+step's ops), and attention folds the trial axis into its batch: on CUDA SDPA's kernels
+have batching rules that do so; on the CPU, whose SDPA kernel has none in torch 2.13,
+the skeleton's attention is :mod:`mtbert.model.fused_attention`'s (the same arithmetic,
+run once over every trial's rows).  One
 ``backward`` of the sum of the trials' losses gives each trial its own gradient in its
 slice (the trials share no weight, so no gradient crosses between slices).
 
