@@ -8,7 +8,7 @@ layer is one ``baddbmm``: y[n] = b[n] + x[n] W[n]ᵀ for each trial n, x's rows 
 ``[N, rows, in]``; autograd records that op on the stacked tensors, so its backward is
 ``baddbmm``'s (two ``bmm`` and a sum).  :class:`TrialAxisLinear` is the
 ``torch.autograd.Function`` that gives ``vmap`` this rule (its ``vmap`` staticmethod);
-outside ``vmap`` it is ``F.linear``.
+outside ``vmap`` the layer is ``nn.Linear``'s.
 
 **Functions without weights** (attention's two products and softmax, a per-row loss):
 :func:`fold_trials` runs such a function once with the trial axis folded into its rows
@@ -33,25 +33,29 @@ def _leading(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
     return t if dim == 0 else t.movedim(dim, 0)
 
 
-class TrialAxisLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)``; under ``vmap``, one ``baddbmm`` for every trial."""
+class _VmapRule(torch.autograd.Function):
+    """A function with a batching rule of its own (its ``vmap``), applied only under
+    ``vmap``: autograd records the ops the rule runs on the stacked tensors, so the
+    function's own backward is never taken (the modules below call the plain op outside
+    ``vmap``)."""
 
     generate_vmap_rule = False
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("a trial-axis function is differentiated through its vmap rule")
+
+
+class TrialAxisLinear(_VmapRule):
+    """``F.linear(x, weight, bias)``; under ``vmap``, one ``baddbmm`` for every trial."""
+
+    @staticmethod
     def forward(x, weight, bias):
         return F.linear(x, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        return (grad @ weight, rows.t() @ x.reshape(-1, x.shape[-1]),
-                None if bias is None else rows.sum(0))
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias):
@@ -104,22 +108,12 @@ def _trial_offsets(n: int, rows: int, like: torch.Tensor) -> torch.Tensor:
     return _offsets[key]
 
 
-class TrialAxisEmbedding(torch.autograd.Function):
+class TrialAxisEmbedding(_VmapRule):
     """``F.embedding(ids, weight)``; under ``vmap`` one lookup in every trial's table."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(ids, weight, padding_idx):
         return F.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("TrialAxisEmbedding is differentiated through its vmap rule only")
 
     @staticmethod
     def vmap(info, in_dims, ids, weight, padding_idx):
@@ -132,23 +126,13 @@ class TrialAxisEmbedding(torch.autograd.Function):
         return _TrialRows.apply(ids, table, weight.shape[1], padding_idx), 0
 
 
-class TrialAxisLayerNorm(torch.autograd.Function):
+class TrialAxisLayerNorm(_VmapRule):
     """``F.layer_norm`` over the last axis; under ``vmap`` the trials' rows normalised
     together and each scaled and shifted by its trial's gains: one ``addcmul``."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(x, weight, bias, eps):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("TrialAxisLayerNorm is differentiated through its vmap rule only")
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, eps):
@@ -188,6 +172,8 @@ class StackedLinear(nn.Linear):
     ``functional_call`` under ``vmap``): :class:`TrialAxisLinear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_batchedtensor(self.weight):
+            return super().forward(x)
         return TrialAxisLinear.apply(x, self.weight, self.bias)
 
 
@@ -225,22 +211,12 @@ def use_trial_axis_layers(model: nn.Module) -> None:
             module.__class__ = StackedLayerNorm
 
 
-class _FoldTrials(torch.autograd.Function):
+class _FoldTrials(_VmapRule):
     """``fn(*tensors)``; under ``vmap``, once over the trials' rows folded together."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(fn, *tensors):
         return fn(*tensors)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("fold_trials is differentiated through its vmap rule's ops only")
 
     @staticmethod
     def vmap(info, in_dims, fn, *tensors):
