@@ -224,6 +224,28 @@ def test_collate_pads_to_longest_row(tiny_model_dir, tiny_data_dir, tmp_path):
     assert siamese["labels"].tolist() == split.labels[idx].tolist()
 
 
+def test_a_collated_batch_gives_its_arrays_while_they_are_its_tensors(tiny_model_dir,
+                                                                     tiny_data_dir, tmp_path):
+    """What the fused step packs from: the collated arrays, read without a torch op; a
+    batch rebuilt by its type (accelerate's ``send_to_device``) or a key replaced reads
+    the tensor itself."""
+    import torch
+
+    from mtbert.step.step_counts import OpCounter
+    cfg = TrainConfig(model=tiny_model_dir, data_dir=tiny_data_dir, cache_dir=str(tmp_path))
+    data = load_data(cfg)
+    batch = collate(data.split("sst", "train"), np.array([0, 1, 2]), "single", data.pad_id,
+                    rows=4)
+    with OpCounter() as ops:
+        ids = batch.array("input_ids")
+    assert ops.ops == 0 and ids is batch.arrays["input_ids"]
+    assert np.array_equal(ids, batch["input_ids"].numpy())
+    rebuilt = type(batch)({k: v + 1 for k, v in batch.items()})
+    assert np.array_equal(rebuilt.array("input_ids"), ids + 1)
+    batch["labels"] = torch.full((4,), 7)
+    assert batch.array("labels").tolist() == [7, 7, 7, 7]
+
+
 def test_a_cached_token_table_of_another_row_count_is_rebuilt(tiny_model_dir, tiny_data_dir,
                                                               tmp_path):
     """A cache entry written for the same file bytes but another row count (the reader

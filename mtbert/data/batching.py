@@ -248,17 +248,32 @@ def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
         weights = np.zeros(n, dtype=np.float32)
         weights[:len(indices)] = 1.0
         arrays[ROW_WEIGHTS] = weights
-    return HostBatch(arrays)
+    return HostBatch.of(arrays)
 
 
 class HostBatch(dict):
     """A collated batch: name -> CPU tensor, each sharing its memory with the NumPy array in
     ``arrays`` (what the fused step packs N trials' batches from, without a torch op a
-    trial: :func:`mtbert.step.fused_model.stack_batches`)."""
+    trial: :func:`mtbert.step.fused_model.stack_batches`).  Built as a dict is (a library
+    that rebuilds a mapping by its type, as accelerate's ``send_to_device`` does, gets one
+    without arrays); :meth:`array` gives a key's array only while it is the tensor's."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
-        super().__init__({k: torch.from_numpy(v) for k, v in arrays.items()})
-        self.arrays = arrays
+    def __init__(self, *args, arrays: dict[str, np.ndarray] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.arrays = arrays or {}
+
+    @classmethod
+    def of(cls, arrays: dict[str, np.ndarray]) -> "HostBatch":
+        return cls({k: torch.from_numpy(v) for k, v in arrays.items()}, arrays=arrays)
+
+    def array(self, key: str) -> np.ndarray:
+        """``self[key]`` as NumPy: its collated array while the tensor is still that
+        array's memory (read without a torch op), else the tensor's ``numpy()``."""
+        tensor, held = self[key], self.arrays.get(key)
+        if (held is not None and tensor.data_ptr() == held.ctypes.data
+                and tuple(tensor.shape) == held.shape and tensor.device.type == "cpu"):
+            return held
+        return tensor.numpy()
 
 
 def real_rows(batch: dict[str, torch.Tensor]) -> int:

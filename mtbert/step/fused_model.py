@@ -51,6 +51,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from mtbert.data import ROW_WEIGHTS
+from mtbert.data.batching import HostBatch
 from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
 from mtbert.model.fused_attention import draw_attention_from, use_batched_attention
 from mtbert.model.trial_axis import use_trial_axis_layers
@@ -193,7 +194,6 @@ def stack_batches(batches: list[dict[str, torch.Tensor] | None], pad_id: int
 
 
 def _array(batch: dict[str, torch.Tensor], key: str) -> np.ndarray:
-    """A host batch's ``key`` as NumPy: the collated array it shares memory with
-    (:class:`mtbert.data.batching.HostBatch`), else the tensor's ``numpy()``."""
-    arrays = getattr(batch, "arrays", None)
-    return arrays[key] if arrays is not None else batch[key].numpy()
+    """A host batch's ``key`` as NumPy (:meth:`mtbert.data.batching.HostBatch.array`; a
+    plain dict's tensor: its ``numpy()``)."""
+    return batch.array(key) if isinstance(batch, HostBatch) else batch[key].numpy()
