@@ -1,21 +1,27 @@
 """Batching rules of the fused skeleton's own: where ``vmap``'s general rules dispatch
 several ops for what one op does with the trial axis first.
 
-**Linear layers.**  ``vmap``'s rule for ``F.linear`` with a batched weight (each trial its own) goes through
-``matmul``'s general batching: 12 dispatched ops a layer and 14 in its backward, where a
-solo ``addmm`` takes 4 and 8 (``tests/test_step_ops.py`` counts them).  The trials' linear
+**Linear layers.**  ``vmap``'s rule for ``F.linear`` with a batched weight (each trial
+its own) goes through ``matmul``'s general batching: 12 dispatched ops a layer where a
+solo ``addmm`` takes 4 (``tests/test_step_ops.py`` counts a step's).  The trials' linear
 layer is one ``baddbmm``: y[n] = b[n] + x[n] W[n]ᵀ for each trial n, x's rows flattened to
 ``[N, rows, in]``; autograd records that op on the stacked tensors, so its backward is
-``baddbmm``'s (two ``bmm`` and a sum).  :class:`TrialAxisLinear` is the
-``torch.autograd.Function`` that gives ``vmap`` this rule (its ``vmap`` staticmethod);
-outside ``vmap`` the layer is ``nn.Linear``'s.
+``baddbmm``'s (two ``bmm`` and a sum).
+
+**Embeddings** are one lookup in the trials' tables flattened to ``[N·V, H]``, each
+trial's ids offset by n·V (a ``padding_idx`` row gets no gradient in any trial, as
+``nn.Embedding``'s); **LayerNorm** normalises every trial's rows at once and applies each
+trial's gains and shifts in one ``addcmul``.
+
+Each rule is a ``torch.autograd.Function`` whose ``vmap`` staticmethod is the rule
+(:class:`_VmapRule`); the skeleton's modules (:func:`use_trial_axis_layers`) call it under
+``vmap`` and their plain op outside it.
 
 **Functions without weights** (attention's two products and softmax, a per-row loss):
 :func:`fold_trials` runs such a function once with the trial axis folded into its rows
 (``[N, B, ...]`` → ``[N·B, ...]``), as a solo run calls it on a larger batch: the same
 arithmetic row by row, in the solo step's ops.
 """
-
 from __future__ import annotations
 
 import torch

@@ -52,9 +52,9 @@ class TrialUpdate:
              lrs: torch.Tensor | None = None, stepping: torch.Tensor | None = None) -> None:
         """Clip, AdamW, the teacher's EMA.  N trials: ``masks`` name -> ``[N]`` 0/1 (the
         trials whose step reached the parameter), ``lrs`` ``[G, N]`` (each trial's learning
-        rate per parameter group; its weight decays are the optimizer's), ``stepping`` ``[N]`` bool (the trials that
-        step: the others' teachers stay).  One trial: none of them (its optimizer's groups
-        hold its rates)."""
+        rate per parameter group; its weight decays are the optimizer's), ``stepping``
+        ``[N]`` bool (the trials that step: the others' teachers stay).  One trial: none of
+        them (its optimizer's groups hold its rates)."""
         if self.stacked:
             self.optimizer.clip_(self.max_norm, masks)
             self.optimizer.step(lrs, masks)
