@@ -12,7 +12,7 @@ import time
 import pytest
 
 from mtbert.tune.trial.thread_share import (CHECK_EVERY_S, MachineLoad, NodeThreadShare,
-                                            thread_share, threads_for)
+                                            busy_cpu_seconds, thread_share, threads_for)
 
 
 @pytest.mark.parametrize("own, node, free, threads", [
@@ -107,10 +107,7 @@ class MachineBusy:
 
     def _sample(self) -> None:
         while True:
-            with open("/proc/stat", encoding="ascii") as stat:
-                jiffies = [int(x) for x in stat.readline().split()[1:9]]
-            busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
-            self.samples.append((time.time(), busy))
+            self.samples.append((time.time(), busy_cpu_seconds()))
             if self._done.wait(0.2):
                 return
 

@@ -237,9 +237,10 @@ def collate(split: Split, indices: np.ndarray, encoding: str, pad_id: int,
         width_a, width_b = _width(a, static), _width(b, static)
         if static:
             width_a = width_b = max(width_a, width_b)
-        for side, rows_of, width in (("a", a, width_a), ("b", b, width_b)):
-            arrays[f"input_ids_{side}"], arrays[f"attention_mask_{side}"] = _padded_arrays(
-                rows_of, pad_id, width, n)
+        arrays["input_ids_a"], arrays["attention_mask_a"] = _padded_arrays(
+            a, pad_id, width_a, n)
+        arrays["input_ids_b"], arrays["attention_mask_b"] = _padded_arrays(
+            b, pad_id, width_b, n)
     if split.labels is not None:
         labels = np.asarray(split.labels[indices])
         if n > len(indices):

@@ -30,6 +30,8 @@ torch's fused kernel, which each solo trial's optimizer runs, a slice agrees to 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -62,6 +64,8 @@ class TrialAdamW:
         self.decays = torch.tensor([weight_decays[group_of[k]] for k in self.names],
                                    dtype=torch.float64, device=self.device)
         dtypes = sorted({p.dtype for p in params.values()}, key=str)
+        #: the dtype of the per-slice gradient norms stacked together (clipping's)
+        self.norm_dtype = functools.reduce(torch.promote_types, dtypes)
         #: per dtype, ``[F, P, N]``: the step's per-trial factors (clipping's scale, then
         #: AdamW's five), written each step; the lists hold each one's ``[N, 1, ...]`` view
         #: per parameter, as the ``_foreach`` ops take them
@@ -108,7 +112,8 @@ class TrialAdamW:
                               for k in self.names])
             held = {"masks": masks, "on": on, "increments": on.to(self.steps.dtype),
                     "stepping": on > 0, "w_m": on * (1.0 - self.beta1),
-                    "w_v": on * (1.0 - self.beta2), "reached": on.t().contiguous()}
+                    "w_v": on * (1.0 - self.beta2),
+                    "reached": on.t().to(self.norm_dtype).contiguous()}
             self._masks[id(masks)] = held
         return held
 
@@ -128,8 +133,6 @@ class TrialAdamW:
         held = self._per_masks(masks)
         lists = self._held_lists()
         norms = torch.stack(torch._foreach_norm(lists["slices"])).view(self.n, -1)
-        if held["reached"].dtype != norms.dtype:
-            held["reached"] = held["reached"].to(norms.dtype)
         total = torch.linalg.vector_norm(norms * held["reached"], dim=1)
         limit, clips = self._limits(max_norms, total.dtype)
         scale = torch.where(clips, torch.clamp(limit / (total + 1e-6), max=1.0), self._one)

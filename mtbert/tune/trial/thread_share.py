@@ -45,6 +45,17 @@ def threads_for(own_cpus: float, node_cpus: float, free_cpus: float,
     return threads
 
 
+def busy_cpu_seconds() -> float | None:
+    """CPU-seconds this machine's CPUs have spent busy since boot, from ``/proc/stat``
+    (all but idle and iowait time; steal included); None where it cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            jiffies = [int(x) for x in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
+
+
 class MachineLoad:
     """The CPUs that processes other than this one kept busy on this machine since the
     last reading, from ``/proc/stat`` (busy: all but idle and iowait time; steal
@@ -57,13 +68,8 @@ class MachineLoad:
 
     @staticmethod
     def _sample() -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat", encoding="ascii") as stat:
-                jiffies = [int(x) for x in stat.readline().split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
-        return busy, time.process_time(), time.monotonic()
+        busy = busy_cpu_seconds()
+        return None if busy is None else (busy, time.process_time(), time.monotonic())
 
     def others_busy(self) -> float | None:
         last, self._last = self._last, self._sample()
