@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mtbert.core.trial_streams import MaskStream
 from mtbert.data import collate, encoding_for, load_data
 from mtbert.model.dropout_rate import hold_dropout_in_tensor
 from mtbert.model.fused_attention import draw_attention_from
@@ -35,6 +36,18 @@ def model_for(cfg, seed=0, double=False):
     torch.manual_seed(seed)
     model = MultitaskModel.from_config(cfg)
     return model.double() if double else model
+
+
+def trial_masks(model, reg, p: float) -> MaskStream:
+    """The model's dropouts (at ``p``) and the regulariser on a trial's masks and stream, as
+    a TrialRun gives them; the mask stream's seed drawn as a step begins."""
+    stream = torch.Generator().manual_seed(0)
+    masks = MaskStream(1, torch.device("cpu"))
+    hold_dropout_in_tensor(model, p, torch.device("cpu"), number=True).masks = masks
+    draw_attention_from(model, masks, torch.device("cpu"))
+    reg.draw_from(stream, masks)
+    masks.draw({0: stream})
+    return masks
 
 
 def batch_for(data, task, pair_encoding, start=0, size=8):
@@ -116,14 +129,10 @@ def test_regulariser_nonnegative_and_zero_for_zero_perturbation(setup, pair_enco
                smart_step_size=1e-2, smart_noise=1e-6)
     model = model_for(cfg, double=True).train()
     reg = SmartRegulariser(cfg, model)
-    # the masks and ν from a trial's stream, as a TrialRun gives its model and regulariser
-    stream = torch.Generator().manual_seed(0)
-    streams = hold_dropout_in_tensor(model, 0.3, torch.device("cpu"), number=True).generators
-    draw_attention_from(model, streams, torch.device("cpu"))
-    streams[:] = [stream]
-    reg.draw_from(stream)
+    masks = trial_masks(model, reg, 0.3)  # the masks and ν of a trial's stream
     for task in ("sst", "qqp", "sts"):
         batch = batch_for(data, task, pair_encoding)
+        masks.start(task)  # its task's forward begins
         clean = model(task, batch)
         rng = reg._replay_state(task, batch)
         assert rng is not None, "the pre-hook did not record the clean forward"
@@ -236,8 +245,10 @@ def test_bregman_zero_for_equal_teacher_and_exact_after_drift(setup):
     cfg = make(smart_mu=mu, smart_beta=0.5, dropout=0.3)
     model = model_for(cfg).train()
     reg = build_regulariser(cfg, model)
+    masks = trial_masks(model, reg, 0.3)
     for task in ("sst", "qqp", "sts"):
         batch = batch_for(data, task, cfg.pair_encoding)
+        masks.start(task)
         # θ̃ = θ and the same dropout masks (train mode): exactly 0
         assert reg.term(model, task, batch, model(task, batch)).item() == 0.0
     original = copy.deepcopy(model).eval()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from mtbert.core.trial_streams import trial_draw
+from mtbert.core.trial_streams import MaskStream, keep_mask, keep_threshold
 from mtbert.model.trial_axis import fold_trials, use_trial_axis_layers
 
 N = 3
@@ -100,28 +100,22 @@ def test_a_function_folded_over_the_trials_rows_is_its_vmap():
     assert torch.equal(fold_trials(_attention, q[0], k[0], v[0]), _attention(q[0], k[0], v[0]))
 
 
-def _uniform(out, generator, n):
-    out.uniform_(0, 1, generator=generator)
-
-
-@pytest.mark.parametrize("streams", [1, N])
-def test_a_draw_inside_a_folded_function_is_the_vmapped_draw(streams):
-    """One stream (a group's): the same numbers as one draw over ``[N, ...]``; a stream a
-    trial: each trial's rows as it alone draws them."""
+@pytest.mark.parametrize("seeds", [(10, 10, 10), (10, 11, 12)])
+def test_a_mask_inside_a_folded_function_is_the_vmapped_mask(seeds):
+    """A dropout mask drawn inside a folded function (N trials' rows in one axis) is the
+    one drawn over ``[N, ...]`` under ``vmap``: each trial's rows its own seed's."""
     x = torch.zeros(N, 2, 5)
+    threshold = keep_threshold(0.5)
 
     def drawn(fold: bool) -> torch.Tensor:
-        generators = [torch.Generator().manual_seed(10 + i) for i in range(streams)]
+        stream = MaskStream(N, torch.device("cpu"))
+        stream.draw({n: torch.Generator().manual_seed(s) for n, s in enumerate(seeds)})
         if fold:
             return vmap(lambda t: fold_trials(
-                lambda rows: trial_draw(rows, _uniform, generators), t),
+                lambda rows: keep_mask(rows, threshold, stream), t),
                 randomness="different")(x)
-        return vmap(lambda t: trial_draw(t, _uniform, generators), randomness="different")(x)
+        return vmap(lambda t: keep_mask(t, threshold, stream), randomness="different")(x)
 
     folded, vmapped = drawn(True), drawn(False)
     assert torch.equal(folded, vmapped)
-    assert len({float(folded[n].sum()) for n in range(N)}) == N
-    if streams == N:
-        alone = [trial_draw(x[0], _uniform, [torch.Generator().manual_seed(10 + n)])
-                 for n in range(N)]
-        assert torch.equal(folded, torch.stack(alone))
+    assert len({tuple(folded[n].flatten().tolist()) for n in range(N)}) == len(set(seeds))

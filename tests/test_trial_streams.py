@@ -1,8 +1,9 @@
 """Each trial's own random stream (mtbert/core/trial_streams.py): a trial's step draws its
-dropout masks (alone), SMART's noise and PCGrad's task orders from its own generator, so
-given the same batches it draws -- and so computes -- the same alone and in a group of 2 or
-3 with other trials (float64; in a group the masks are one draw from the group's stream),
-and a step neither reads nor sets torch's global generator."""
+masks' seed, SMART's noise and PCGrad's task orders from its own generator, and its dropout
+masks are a hash of that seed, so given the same batches it draws -- and so computes -- the
+same alone and in a group of 2 or 3 with other trials (float64); a step neither reads nor
+sets torch's global generator; the masks themselves (MaskStream): each trial's alone,
+vmapped and folded alike, unmoved by padding, kept at 1 − p, replayed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from mtbert.core.trial_streams import StreamReplay, trial_draw
+from mtbert.core.trial_streams import MaskStream, folded_trials, keep_mask, keep_threshold
 from mtbert.data import load_data
 from mtbert.model.model import MultitaskModel
 from mtbert.run.trial_run import TrialRun
@@ -33,17 +34,6 @@ OTHERS = [dict(seed=4, lr=2e-3, dropout=0.3, smart_lambda_sst=3.0, smart_lambda_
                smart_noise=4e-6, smart_step_size=2e-3),
           dict(seed=5, lr=5e-4, dropout=0.1, smart_lambda_sst=0.3, smart_lambda_qqp=4.0,
                smart_lambda_sts=1.0, smart_eps=2e-4, smart_mu=0.1, smart_noise=1e-4)]
-
-
-@pytest.fixture(scope="module")
-def quiet_model_dir(tmp_path_factory) -> str:
-    """The tiny BERT without attention-probability dropout: a trial at dropout 0 draws no
-    mask (in a group the masks are the group stream's, not the trial's)."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("quiet-bert"))
-    config = json.loads((folder / "config.json").read_text())
-    config["attention_probs_dropout_prob"] = 0.0
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
 
 
 def _trial(tiny_config, folder, **values) -> TrialRun:
@@ -70,19 +60,17 @@ def _steps(engine, trials, watched, steps: int) -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize("others", [1, 2])
-def test_a_trial_draws_the_same_alone_and_in_a_group(tiny_config, quiet_model_dir, tmp_path,
-                                                     others):
-    """SMART (two ascent steps, the teacher) and PCGrad: given the same batches, the watched
-    trial's losses of 4 summed steps are the same alone (the solo step) and stacked with 1
-    or 2 other trials of other seeds, SMART values and dropout on (float64, within 1e-10),
-    and its stream stands at the same state after them: its noise and task orders are its
-    own, whoever it trains with (the others' masks, drawn from the group's stream, move it
-    not)."""
-    model = dict(model=quiet_model_dir)
-    alone = _trial(tiny_config, tmp_path / "alone", **TRIAL, **model, dropout=0.0)
+def test_a_trial_draws_the_same_alone_and_in_a_group(tiny_config, tmp_path, others):
+    """Dropout (hidden, heads and attention probabilities), SMART (two ascent steps, the
+    teacher) and PCGrad: given the same batches, the watched trial's losses of 4 summed
+    steps are the same alone (the solo step) and stacked with 1 or 2 other trials of other
+    seeds, rates and SMART values (float64, within 1e-10), and its stream stands at the same
+    state after them: its masks, noise and task orders are its own, whoever it trains
+    with."""
+    alone = _trial(tiny_config, tmp_path / "alone", **TRIAL)
     solo = _steps(EagerStep(OneTrial(alone)), [alone], alone, 4)
-    watched = _trial(tiny_config, tmp_path / "watched", **TRIAL, **model, dropout=0.0)
-    group = [watched] + [_trial(tiny_config, tmp_path / f"other{i}", **values, **model)
+    watched = _trial(tiny_config, tmp_path / "watched", **TRIAL)
+    group = [watched] + [_trial(tiny_config, tmp_path / f"other{i}", **values)
                          for i, values in enumerate(OTHERS[:others])]
     stacked = _steps(EagerStep(StackedTrials(group)), group, watched, 4)
     assert [sorted(s) for s in solo] == [sorted(s) for s in stacked]
@@ -113,62 +101,75 @@ def test_a_step_neither_reads_nor_sets_the_global_generator(tiny_config, tmp_pat
     assert torch.equal(states[0], states[1])
 
 
-def test_each_trials_slice_is_drawn_from_its_own_generator():
-    """:func:`trial_draw` under ``vmap``: trial n's slice is what its generator alone draws
-    in that shape, for any N."""
-    def draw(out, generator, n):
-        out.bernoulli_(0.7, generator=generator)
-
-    x = torch.randn(3, 4, 5)
-    together = torch.func.vmap(lambda a: trial_draw(a, draw, generators),
-                               randomness="different")(
-        x) if (generators := [torch.Generator().manual_seed(s) for s in (7, 8, 9)]) else None
-    for n, seed in enumerate((7, 8, 9)):
-        alone = trial_draw(x[n], draw, [torch.Generator().manual_seed(seed)])
-        assert torch.equal(together[n], alone)
+def _stream(seeds, task="qqp") -> MaskStream:
+    """A mask stream of len(seeds) trials, each seed drawn from a generator seeded so, at
+    ``task``'s forward."""
+    stream = MaskStream(len(seeds), torch.device("cpu"))
+    stream.draw({n: torch.Generator().manual_seed(s) for n, s in enumerate(seeds)})
+    stream.start(task)
+    return stream
 
 
-def test_stream_replay_draws_again_and_leaves_the_stream_where_it_stood():
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    replay = StreamReplay(gens)
-    remembered = replay.remember()
-    first = [torch.rand(4, generator=g) for g in gens]
-    after = [g.get_state() for g in gens]
-    with replay.replay(remembered):
-        again = [torch.rand(4, generator=g) for g in gens]
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, after))
+def test_each_trials_mask_is_its_own_alone_vmapped_and_folded():
+    """Trial n's slice of a mask over N trials -- under ``vmap`` or with their rows folded
+    into one axis -- is its mask alone (its seed, the same draw's place), for any N; other
+    seeds give other masks."""
+    x, threshold = torch.randn(4, 2, 5, 5), keep_threshold(0.3)
+    seeds = (1, 2, 3)
+    alone = [keep_mask(x, threshold, _stream([s])) for s in seeds]
+    stream = _stream(seeds)
+    together = torch.func.vmap(lambda t: keep_mask(t, threshold, stream),
+                               randomness="different")(torch.stack([x] * 3))
+    with folded_trials(3):
+        folded = keep_mask(torch.cat([x] * 3), threshold, _stream(seeds)).view(3, *x.shape)
+    for n in range(3):
+        assert torch.equal(together[n], alone[n]) and torch.equal(folded[n], alone[n])
+    assert not torch.equal(alone[0], alone[1])
 
 
-def test_a_replay_takes_a_trial_s_recorded_draws_again_without_drawing():
-    """One trial's stream: the draws trial_draw took after remember() are given back, the
-    same tensors, by each replay (the generator does not move inside it); outside a replay
-    and after release() draws are fresh; a replay asking for another shape is an error."""
-    gen = torch.Generator().manual_seed(5)
-    replay = StreamReplay([gen])
-    drawn = []
+def test_a_mask_does_not_move_with_padding_and_keeps_one_minus_p():
+    """An element's mask takes its coordinates: a tensor padded with more rows and longer
+    axes (a group's shapes) keeps its elements' masks; over 3.1 M elements the kept share
+    is 1 − p within 5 standard errors, neighbours and the next draw uncorrelated (|r| <
+    0.005); per-trial rates ([N] thresholds) act per trial."""
+    small, big = torch.empty(4, 2, 5, 5), torch.empty(6, 2, 7, 9)
+    threshold = keep_threshold(0.3)
+    assert torch.equal(keep_mask(big, threshold, _stream([4]))[:4, :, :5, :5],
+                       keep_mask(small, threshold, _stream([4])))
+    stream, p = _stream([9]), 0.1
+    mask = keep_mask(torch.empty(64, 12, 64, 64), keep_threshold(p), stream).float()
+    se = (p * (1 - p) / mask.numel()) ** 0.5
+    assert abs(float(mask.mean()) - (1 - p)) <= 5 * se
+    after = keep_mask(torch.empty(64, 12, 64, 64), keep_threshold(p), stream).float()
+    pairs = [(mask[..., :-1], mask[..., 1:]), (mask[:-1], mask[1:]), (mask, after)]
+    for a, b in pairs:
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 5e-3
+    rates = torch.tensor([keep_threshold(0.0), keep_threshold(0.5)], dtype=torch.int32)
+    two = _stream([1, 2])
+    both = torch.func.vmap(lambda t: keep_mask(t, rates, two),
+                           randomness="different")(torch.empty(2, 100, 100))
+    assert bool(both[0].all()) and abs(float(both[1].float().mean()) - 0.5) < 0.02
 
-    def draw(out, generator, n):
-        drawn.append(out.shape)
-        out.bernoulli_(0.9, generator=generator)
 
+def test_a_replay_gives_the_remembered_masks_again_and_the_place_back():
+    """The masks drawn after remember() are given back, the same tensors, by each replay
+    (nothing hashed again); after it the stream draws on where it stood; a new step (draw)
+    or a new remember drops what was kept, and a replay then hashes the same masks again;
+    another task's forward draws other masks."""
+    stream = _stream([5], task="sst")
     x, y = torch.zeros(6, 7), torch.zeros(3)
-    remembered = replay.remember()
-    first = [trial_draw(x, draw, [gen]), trial_draw(y, draw, [gen])]
-    after = gen.get_state()
+    threshold = keep_threshold(0.4)
+    remembered = stream.remember()
+    first = [keep_mask(x, threshold, stream), keep_mask(y, threshold, stream)]
     for _ in range(2):
-        with replay.replay(remembered):
-            again = [trial_draw(x, draw, [gen]), trial_draw(y, draw, [gen])]
-            assert torch.equal(gen.get_state(), remembered[0][0])  # nothing drawn
+        with stream.replay(remembered):
+            again = [keep_mask(x, threshold, stream), keep_mask(y, threshold, stream)]
         assert again[0] is first[0] and again[1] is first[1]
-        assert torch.equal(gen.get_state(), after)
-    assert len(drawn) == 2
-    fresh = trial_draw(x, draw, [gen])  # after the replays: a new draw from the stream
-    assert len(drawn) == 3 and not torch.equal(gen.get_state(), after)
-    with pytest.raises(RuntimeError, match="replayed forward's draw 0"):
-        with replay.replay(remembered):
-            trial_draw(y, draw, [gen])
-    replay.release(remembered)
-    with replay.replay(remembered):  # released: nothing kept, the stream's states replayed
-        assert torch.equal(trial_draw(x, draw, [gen]), first[0])
-    assert len(drawn) == 4 and fresh.shape == x.shape
+    fresh = keep_mask(x, threshold, stream)  # after the replays: the place moved on
+    assert not torch.equal(fresh, first[0])
+    stream.remember()  # another forward remembered: the first one's masks are dropped
+    with stream.replay(remembered):
+        hashed = keep_mask(x, threshold, stream)
+    assert hashed is not first[0] and torch.equal(hashed, first[0])
+    stream.start("sts")
+    assert not torch.equal(keep_mask(x, threshold, stream), first[0])

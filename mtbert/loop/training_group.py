@@ -33,12 +33,11 @@ its slice -- and only the padding changes, which moves the sums by rounding at m
 step itself ends the group.
 
 Each trial draws from its own random stream (``TrialRun.generator``,
-:mod:`mtbert.core.trial_streams`): its SMART noise and PCGrad task orders, as its solo run
-draws them (the stacked step's dropout masks are one draw from the group's stream); a
-joining trial's construction (which seeds torch's global generator) moves no other trial's
-stream.  Not fused yet: ``torch.compile`` and CUDA graphs of the stacked
-step (it is eager; on CUDA the trials train with ``step_mode=eager``), and encoders other
-than BERT's.
+:mod:`mtbert.core.trial_streams`): its masks' seed, SMART noise and PCGrad task orders, as
+its solo run draws them, and its dropout masks are its own; a joining trial's
+construction (which seeds torch's global generator) moves no other trial's stream.  Not
+fused yet: ``torch.compile`` and CUDA graphs of the stacked step (it is eager; on CUDA the
+trials train with ``step_mode=eager``), and encoders other than BERT's.
 """
 
 from __future__ import annotations

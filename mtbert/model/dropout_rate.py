@@ -10,22 +10,16 @@ rate in a fused model's skeleton (:mod:`mtbert.step.fused_model`), where ``vmap`
 trial its own 0-d slice.  Written once for both.
 
 Inverted dropout as ``nn.Dropout`` computes it: each element kept with probability
-1 − p and scaled by 1/(1 − p), so E[out] = x; the keep mask is ``u ≥ p`` for u uniform
-on [0, 1) drawn in float32 from the trial's generator (:mod:`mtbert.core.trial_streams`;
-graph-safe on CUDA: each replay draws fresh numbers).  The numbers drawn differ from
-``nn.Dropout``'s, so a run uses one or the other throughout: the trainer swaps these in on
-CUDA, in eager and graphed steps alike.  On the CPU (``number``: a trial's rate, known when
-the module is built; a fused skeleton's trials at theirs) the module is ``nn.Dropout``'s
-CPU kernel written out with the trial's generator
-(``bernoulli_(1 − p)``, ``div_(1 − p)``: the same numbers), which draws its mask faster than
-the rate tensor's uniform numbers and comparison (on one CPU thread 0.25 of MiniLM's 2.3 s
-fused step of two trials went to those).
+1 − p and scaled by 1/(1 − p), so E[out] = x.  The keep mask is the trial's
+(:class:`mtbert.core.trial_streams.MaskStream`: a hash of its step seed, the draw's place
+and the element's index against the threshold of p), the same alone and stacked with
+other trials, in the same ops on the CPU and on CUDA, eager or in a captured graph.  On
+the CPU (``number``: a trial's rate, known when the module is built) the threshold and
+scale are numbers; otherwise they are read from the rate's tensors (``threshold``, ``[N]``
+in a fused skeleton: each trial at its own rate).
 
-Random streams: the masks come from the generators in ``DropoutRate.generators`` (a
-trial's, filled once it is built; empty: torch's global generator, as pre-training draws).
-Over N stacked trials (:func:`mtbert.core.trial_streams.trial_draw`): with one generator
-(a group's) a mask is one draw for all, each trial at its own rate; with N, each trial's
-slice is drawn from its own as it alone draws its mask, a trial at rate 0 drawing nothing.
+Without a mask stream (``DropoutRate.masks`` None: a model of no trial, as pre-training's
+encoder) the masks are drawn from torch's global generator, as ``nn.Dropout`` draws them.
 """
 
 from __future__ import annotations
@@ -34,29 +28,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtbert.core.trial_streams import trial_draw
+from mtbert.core.trial_streams import MaskStream, keep_mask, keep_threshold
 
 
 class DropoutRate:
-    """The rate p and the scale 1/(1 − p) as float32 tensors on one device: 0-d for one
-    trial's rate, ``[N]`` for a list of N trials' rates."""
+    """The rate p (float32) and the scale 1/(1 − p) (float32, or float64 for a float64
+    model) as tensors on one device: 0-d for one trial's rate, ``[N]`` for a list of N
+    trials' rates."""
 
-    def __init__(self, p: float | list[float], device: torch.device):
+    def __init__(self, p: float | list[float], device: torch.device,
+                 scale_dtype: torch.dtype = torch.float32):
         self.p = torch.tensor(p, dtype=torch.float32, device=device)
-        self.scale = torch.tensor(_scale(p), dtype=torch.float32, device=device)
+        self.scale = torch.tensor(_scale(p), dtype=scale_dtype, device=device)
+        #: the int32 a mask's hash must reach (trial_streams.keep_threshold), per trial
+        self.threshold = torch.tensor(_threshold(p), dtype=torch.int32, device=device)
         self.value = p
-        #: the trials' generators the masks are drawn from (one, or N by slot)
-        self.generators: list[torch.Generator] = []
+        #: the masks' stream (the trial's, or the stacked trials'); None: torch's global
+        #: generator
+        self.masks: MaskStream | None = None
 
     def fill(self, p: float) -> None:
         """A new rate for one trial, in place (no host synchronisation)."""
         self.p.fill_(float(p))
         self.scale.fill_(1.0 / (1.0 - float(p)))
+        self.threshold.fill_(keep_threshold(p))
         self.value = float(p)
 
 
 def _scale(p: float | list[float]) -> float | list[float]:
     return [1.0 / (1.0 - float(q)) for q in p] if isinstance(p, list) else 1.0 / (1.0 - float(p))
+
+
+def _threshold(p: float | list[float]) -> int | list[int]:
+    return [keep_threshold(q) for q in p] if isinstance(p, list) else keep_threshold(p)
 
 
 class RateDropout(nn.Dropout):
@@ -89,42 +93,22 @@ class RateDropout(nn.Dropout):
             return x
         if self.number == 0:
             return x
-        generators = self.held.generators
-        if not generators:  # no trial stream (pre-training): the global generator
+        masks = self.held.masks
+        if masks is None:  # no trial stream (pre-training): the global generator
             if self.number is not None:
                 return F.dropout(x, self.number, training=True)
             return (x * ((torch.rand(x.shape, dtype=torch.float32, device=x.device)
                           >= self.rate) * self.scale)).to(x.dtype)
-        if self.number is not None or (isinstance(self.held.value, list)
-                                       and x.device.type != "cuda"):
-            # nn.Dropout's CPU arithmetic: a keep mask of Bernoulli(1 - p) divided by 1 - p
-            return x * trial_draw(x, self._keep_mask, generators)
-        # the mask times 1/(1 - p) in float32, applied in float32 and rounded once (a bf16
-        # scale would be off by up to 0.4 %)
-        uniform = trial_draw(x, _uniform, generators, dtype=torch.float32)  # no float copy of x
-        return (x * ((uniform >= self.rate) * self.scale)).to(x.dtype)
-
-    def _keep_mask(self, out: torch.Tensor, generator, n: int | None) -> None:
-        """Trial ``n``'s mask, Bernoulli(1 − p) / (1 − p) (ones at p = 0: nothing drawn);
-        ``n`` None: every trial's at once (``[N, ...]``, each at its own p)."""
-        p = self.number if self.number is not None else self.held.value
-        if isinstance(p, list) and n is None and len(set(p)) > 1:
-            keep = torch.tensor([1 - q for q in p], dtype=out.dtype, device=out.device
-                                ).view((-1,) + (1,) * (out.dim() - 1))
-            out.copy_(torch.bernoulli(keep.expand(out.shape), generator=generator)).div_(keep)
-            return
-        p = p[n or 0] if isinstance(p, list) else p
-        if p == 0:
-            out.fill_(1)
-        else:
-            out.bernoulli_(1 - p, generator=generator).div_(1 - p)
+        if self.number is not None:
+            return x * keep_mask(x, keep_threshold(self.number), masks) * (
+                1.0 / (1.0 - self.number))
+        # the mask times 1/(1 - p) in float32 (float64 for a float64 model), applied so
+        # and rounded once (a bf16 scale would be off by up to 0.4 %)
+        keep = keep_mask(x, self.held.threshold, masks)
+        return (x * (keep * self.scale)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"p=tensor ({self.held.value})"
-
-
-def _uniform(out: torch.Tensor, generator, n: int) -> None:
-    out.uniform_(0, 1, generator=generator)
 
 
 def _attention_owned(parent: nn.Module) -> bool:
@@ -153,7 +137,22 @@ def hold_dropout_in_tensor(model: nn.Module, p: float, device: torch.device,
     :class:`RateDropout` sharing one :class:`DropoutRate`; returns it.  ``number``: the
     modules drop at the number ``p`` (``nn.Dropout``'s arithmetic, from the trial's
     generator), not at the rate tensor."""
-    rate = DropoutRate(p, device)
+    rate = DropoutRate(p, device, scale_dtype(model))
     for parent, name in governed_dropouts(model, p):
         setattr(parent, name, RateDropout(rate, number=float(p) if number else None))
     return rate
+
+
+def scale_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the dropout scale for ``model``'s activations: float64 for a float64
+    model (its 1/(1 − p) exact), float32 otherwise."""
+    first = next(model.parameters(), None)
+    double = first is not None and first.dtype == torch.float64
+    return torch.float64 if double else torch.float32
+
+
+def mask_stream_of(model: nn.Module) -> MaskStream | None:
+    """The mask stream ``model``'s dropouts take their masks from (a trial's model), or
+    None (its dropouts draw from torch's global generator)."""
+    return next((m.held.masks for m in model.modules()
+                 if isinstance(m, RateDropout) and m.held.masks is not None), None)

@@ -46,14 +46,14 @@ def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
             else:
                 scores = scores + mask
         probs = scores.softmax(-1)
-        if isinstance(module.dropout, RateDropout):  # from the trials' streams
+        if isinstance(module.dropout, RateDropout):  # the trials' masks
             probs = module.dropout(probs) if dropout > 0 else probs
         else:
             probs = F.dropout(probs, p=dropout, training=module.training)
         return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
     # under vmap (the fused skeleton) once over every trial's rows; the probabilities'
-    # dropout is then one draw over them all, as the vmapped draw from the group's stream
+    # dropout is then one mask over them all, each trial's rows with its own seed
     masks = () if attention_mask is None else (attention_mask,)
     return fold_trials(attend, query, key, value, *masks), None
 
@@ -61,7 +61,7 @@ def batched_math_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 def stream_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
     """One trial's attention: SDPA, or where probabilities are dropped (training) the
-    batched math above, its dropout drawn from the trial's stream (SDPA takes no generator;
+    batched math above, its dropout the trial's masks (SDPA draws its own;
     one CPU thread, MiniLM's shapes, forward and backward: 27.7 ms against SDPA's 30.6)."""
     if module.training and kwargs.get("dropout", 0.0) > 0:
         return batched_math_attention(module, query, key, value, attention_mask, **kwargs)
@@ -81,16 +81,16 @@ def attention_dropouts(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "dropout", None), nn.Dropout)]
 
 
-def draw_attention_from(model: nn.Module, generators: list, device: torch.device,
+def draw_attention_from(model: nn.Module, masks, device: torch.device,
                         trials: int | None = None) -> None:
-    """The attention-probability dropouts of ``model`` draw from ``generators`` (the same
-    list object: filled later is fine), at their rate; ``trials``: N stacked trials (the
-    fused skeleton's), each slice from its own.  A one-trial CPU model takes
+    """The attention-probability dropouts of ``model`` take their masks from ``masks`` (a
+    :class:`~mtbert.core.trial_streams.MaskStream`: a trial's, or ``trials`` stacked ones'
+    in the fused skeleton), at their rate.  A one-trial CPU model takes
     :func:`stream_attention` (SDPA's dropout would draw from torch's global generator)."""
     for module in attention_dropouts(model):
         p = float(module.dropout.p)
         rate = DropoutRate(p, device)  # one rate for every trial (the encoder's config)
-        rate.generators = generators
+        rate.masks = masks
         module.dropout = RateDropout(rate, number=p)
     if trials is None and device.type == "cpu":
         model.encoder.set_attn_implementation(STREAM_ATTENTION)

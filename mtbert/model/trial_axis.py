@@ -228,7 +228,7 @@ class _FoldTrials(_VmapRule):
     def vmap(info, in_dims, fn, *tensors):
         n = info.batch_size
         folded = [_leading(t, d, n).flatten(0, 1) for t, d in zip(tensors, in_dims[1:])]
-        with folded_trials(n):  # a draw inside (dropout) is drawn as the vmapped one
+        with folded_trials(n):  # a mask inside (dropout) is drawn as the vmapped one
             out = fn(*folded)
         return out.view(n, -1, *out.shape[1:]), 0
 

@@ -32,7 +32,8 @@ parameters at ``lr``. Each is split into weight-decay / no-decay groups.
 Exact resume: the data order is a pure function of (seed, task, batches drawn, epoch)
 (see ``TaskBatcher`` and ``Schedule.plan``), so a checkpoint holds only counters and the
 running train-loss sums, plus model/optimizer/LR-scheduler/regulariser state and the
-trial's random stream (:attr:`TrialRun.generator`: dropout, SMART's noise, PCGrad's orders).
+trial's random stream (:attr:`TrialRun.generator`: its masks' seeds, SMART's noise, PCGrad's
+orders).
 
 No host synchronisation per step (on a GPU the CPU then queues step k+1 while the GPU
 runs step k): each step's task losses stay on the device; they are copied to the host,
@@ -73,7 +74,7 @@ from mtbert.techniques.pretrain import run_pretraining
 from mtbert.techniques.task_schedules import build_schedule, super_batches
 from mtbert.techniques.smart import SmartRegulariser, build_regulariser
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.core.trial_streams import trial_generator
+from mtbert.core.trial_streams import MaskStream, trial_generator
 from mtbert.run.training_state import CheckpointWriter
 
 Batches = dict[str, dict[str, torch.Tensor]]  # {task: batch}: one optimizer step's
@@ -180,9 +181,10 @@ class TrialRun:
         #: the trial's random stream (:mod:`mtbert.core.trial_streams`): every draw of its
         #: steps; from the global generator's state now (a resume: the checkpoint's)
         self.generator = trial_generator(self.device)
-        self.dropouts.generators[:] = [self.generator]
+        #: its dropout masks, seeded from the stream as each step begins
+        self.mask_stream = self.dropouts.masks
         if self.regulariser is not None:
-            self.regulariser.draw_from(self.generator)
+            self.regulariser.draw_from(self.generator, self.mask_stream)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         # where this process's time goes (reported as time/*; not kept across a resume):
@@ -211,10 +213,11 @@ class TrialRun:
         if capturable or self.device.type == "cuda":
             self.dropout_rate = hold_dropout_in_tensor(self.model, self.cfg.dropout,
                                                        self.device)
-        #: the dropouts the ``dropout`` setting governs (drawing from the trial's stream)
+        #: the dropouts the ``dropout`` setting governs (the trial's masks)
         self.dropouts = self.dropout_rate or hold_dropout_in_tensor(
             self.model, self.cfg.dropout, self.device, number=True)
-        draw_attention_from(self.model, self.dropouts.generators, self.device)
+        self.dropouts.masks = MaskStream(1, self.device)
+        draw_attention_from(self.model, self.dropouts.masks, self.device)
 
     def _build_loss_parts(self, reused: RunParts | None, capturable: bool) -> None:
         """Loss weighting, gradient combiner and SMART regulariser; reused parts' weighting

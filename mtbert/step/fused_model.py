@@ -24,15 +24,10 @@ and loss weights in :mod:`mtbert.loop.training_group`, :mod:`mtbert.techniques.t
 :meth:`mtbert.techniques.smart.SmartRegulariser.stacked` (which runs its forwards through
 :meth:`FusedModel.map`).
 
-Dropout masks: drawn from the streams given (:func:`mtbert.core.trial_streams.trial_draw`).
-The fused step gives the group's one stream (:func:`~mtbert.core.trial_streams.group_generator`):
-each mask is one draw over the stacked batch, so ops do not grow with N, and a trial's masks
-differ from its solo run's.  (Given each trial's generator instead, each slice is drawn as
-the trial alone draws it -- the same masks where its batch has the group's shape -- at one
-draw a trial and site: +20 ops a trial and step on the tiny BERT of
-``tests/test_step_ops.py``, 1.32x at N = 16 against N = 2, where 1.1x is asked.)  With
-dropout 0 nothing random is drawn into a trial's numbers and a fused trial trains as its
-solo run to rounding (``tests/test_fused.py``).
+Dropout masks: each trial's own (:class:`mtbert.core.trial_streams.MaskStream`: its step
+seed hashed with the draw's place and each element's index), one hash over the stacked
+tensor with each trial's seed broadcast, so ops do not grow with N and a trial's masks are
+its solo run's where its batch has the group's shape (``tests/test_trial_streams.py``).
 
 Batches: the trials' batches of a task are padded to one shape (the longest row and the
 most rows across trials; filler rows hold one attended pad token and weigh 0 in the loss,
@@ -50,9 +45,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from mtbert.core.trial_streams import MaskStream
 from mtbert.data import ROW_WEIGHTS
 from mtbert.data.batching import HostBatch
-from mtbert.model.dropout_rate import DropoutRate, RateDropout, governed_dropouts
+from mtbert.model.dropout_rate import (DropoutRate, RateDropout, governed_dropouts,
+                                       scale_dtype)
 from mtbert.model.fused_attention import draw_attention_from, use_batched_attention
 from mtbert.model.trial_axis import use_trial_axis_layers
 from mtbert.techniques.losses import batch_loss, penalised_parameters
@@ -97,24 +94,21 @@ class FusedModel:
     own evaluation, checkpoints and predictions read the fused weights as they train."""
 
     def __init__(self, models: list[nn.Module], dropouts: list[float], built_rate: float,
-                 generators: list[torch.Generator] = ()):
+                 masks: MaskStream | None = None):
         """``dropouts``: each trial's rate; ``built_rate``: the ``dropout`` the models were
-        built with (which finds the dropouts the setting governs); ``generators``: the
-        streams the masks are drawn from: one, the group's (each mask one draw for all the
-        trials), or each trial's (its slice drawn as alone; a draw a trial); none: torch's
-        global generator."""
+        built with (which finds the dropouts the setting governs); ``masks``: the trials'
+        mask stream (``[N]`` seeds, by slot); None: torch's global generator."""
         self.n = len(models)
         self.skeleton = copy.deepcopy(models[0])
         device = next(iter(models[0].parameters())).device
         use_batched_attention(self.skeleton, device)
         use_trial_axis_layers(self.skeleton)
         # the dropouts at each trial's rate: [N] rate buffers, a 0-d slice a trial under vmap
-        rates = DropoutRate([float(p) for p in dropouts], device)
-        rates.generators[:] = list(generators)
-        self.generators = rates.generators
-        if generators:  # each trial's attention-probability masks from its stream too
-            draw_attention_from(self.skeleton, rates.generators, device, trials=self.n)
-        shared = dropouts[0] if len(set(dropouts)) == 1 and not generators else None
+        rates = DropoutRate([float(p) for p in dropouts], device, scale_dtype(models[0]))
+        rates.masks = self.masks = masks
+        if masks is not None:  # each trial's attention-probability masks its own too
+            draw_attention_from(self.skeleton, masks, device, trials=self.n)
+        shared = dropouts[0] if len(set(dropouts)) == 1 else None
         for parent, name in governed_dropouts(self.skeleton, built_rate):
             setattr(parent, name, RateDropout(rates, number=shared))
         rate_buffers = {f"{name}.{key}" if name else key: getattr(rates, attr)

@@ -11,10 +11,11 @@ weight decay, clipping norm, the loss weights (:func:`mtbert.techniques.losses.s
 dropout, SMART's values (:meth:`mtbert.techniques.smart.SmartRegulariser.stacked`).  Trials whose
 schedules differ may train different tasks in the same step: every task in the union runs;
 a trial without that task gets filler rows, its loss is multiplied by 0 and its update
-masked out where its own tasks did not reach.  Each trial's random draws (SMART's noise,
-PCGrad's task orders) come from its own generator (``TrialRun.generator``,
-:mod:`mtbert.core.trial_streams`); the dropout masks, one draw over the stacked batch, from
-the group's (:mod:`mtbert.step.fused_model`).
+masked out where its own tasks did not reach.  Each trial's random draws (its masks'
+seed, SMART's noise, PCGrad's task orders) come from its own generator
+(``TrialRun.generator``, :mod:`mtbert.core.trial_streams`), in the order its solo run
+draws them; its dropout masks are its own (the group's
+:class:`~mtbert.core.trial_streams.MaskStream`, one hash over the stacked batch).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from mtbert.core.devices import to_device
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.core.trial_streams import group_generator
+from mtbert.core.trial_streams import MaskStream
 from mtbert.techniques.trial_adamw import STATE_KEYS, TrialAdamW
 from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.step.fused_model import FusedModel, stack_batches
@@ -62,9 +63,10 @@ class StackedTrials:
         self.grad_combiner = first.grad_combiner  # one structure: one kind for all
         models = [t.model for t in self.trials]
         self.generators = [t.generator for t in self.trials]  # by slot
-        # the dropout masks: one draw for all the trials, from the group's stream
+        #: the trials' dropout masks, each trial's seeded from its own stream
+        self.mask_stream = MaskStream(self.n, self.device)
         self.fused = FusedModel(models, [t.cfg.dropout for t in self.trials], self.cfg.dropout,
-                                [group_generator(self.generators)])
+                                self.mask_stream)
         self.fused.bind(models)
         self.smart = (SmartRegulariser.stacked(self.fused, [t.regulariser for t in self.trials],
                                                self.generators, self.cfg)
@@ -140,9 +142,11 @@ class StackedTrials:
         """The trials in ``batches`` step (the others do not move).  Every host value the
         step reads goes to the device here, before its first op (what a captured step
         takes as its inputs): which trials step which tasks, each task's stacked batch,
-        the rates the trials' LR schedules wrote, each stepping trial's draws (SMART's
-        noise, then PCGrad's task orders, in the order its solo run draws them)."""
+        the rates the trials' LR schedules wrote, each stepping trial's draws (its masks'
+        seed, SMART's noise, then PCGrad's task orders, in the order its solo run draws
+        them)."""
         self.stepping = {self.slot[t]: b for t, b in batches.items()}
+        self.mask_stream.draw({n: self.generators[n] for n in self.stepping})
         self.pattern = self._pattern(self.stepping)
         tasks = [t for t in TASK_NAMES if any(t in b for b in self.stepping.values())]
         self.batches = {
@@ -158,6 +162,7 @@ class StackedTrials:
     def task_loss(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N]`` losses of ``task`` (filler rows where a trial has none); the weighted
         ones of the trials stepping ``task``, summed."""
+        self.mask_stream.start(task)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             batch = self.batches[task]
             per_trial = (self.smart.task_losses(task, batch) if self.smart is not None

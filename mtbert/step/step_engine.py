@@ -100,7 +100,8 @@ def task_loss_terms(trial: TrialRun, task: str, batch: dict[str, torch.Tensor],
 class OneTrial:
     """One trial's parts of the step (no trial axis): its model and loss weighting, its
     gradient combiner, its update (torch's ``clip_grad_norm_`` and AdamW, its SMART
-    teacher's EMA).  Its draws are from its own stream (``trial.generator``)."""
+    teacher's EMA).  Its draws are from its own stream (``trial.generator``): its masks'
+    seed as the step begins, SMART's noise, PCGrad's orders."""
 
     def __init__(self, trial: TrialRun):
         self.trial = trial
@@ -117,10 +118,12 @@ class OneTrial:
         if trial.cfg.compile == "reduce-overhead":  # CUDA graphs: a new iteration begins
             torch.compiler.cudagraph_mark_step_begin()
         self.updater.clear()
+        trial.mask_stream.draw({0: trial.generator})
         self.batches = {task: to_device(b, trial.device) for task, b in host.items()}
         return list(self.batches)
 
     def task_loss(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self.trial.mask_stream.start(task)
         return task_loss_terms(self.trial, task, self.batches[task])
 
     def penalty(self) -> torch.Tensor | None:

@@ -22,14 +22,14 @@ steps, then the graph is captured at the end of that step and replayed from the 
 The eager steps compute the same step with the same random numbers, so nothing is thrown
 away and a resumed run (which warms up again) trains as the uninterrupted one.
 
-Random numbers.  Dropout and SMART's noise draw from the trial's generator
+Random numbers.  SMART's noise draws from the trial's generator
 (:mod:`mtbert.core.trial_streams`), registered with each task graph, whose graph-safe state
 gives each replay fresh numbers (PyTorch advances its philox offset by the graph's whole
-increment per replay).  SMART's forwards that replay the clean forward's dropout masks
-run under generator states of their own, registered with the graph, whose seed and offset
-are set to the trial generator's before every replay: their philox offsets are then the
-clean forward's, as :class:`mtbert.core.trial_streams.StreamReplay` gives eagerly.  (Not
-yet run on a GPU since the trial generator replaced the default one.)
+increment per replay).  The dropout masks hash the trial's step seed, drawn before the
+step's graphs run into a tensor they read, with each draw's place, a constant of the graph:
+each replay drops anew, and SMART's forwards replay the clean forward's masks by setting
+the place back during the capture, as eagerly (:class:`mtbert.core.trial_streams.MaskStream`).
+(Not yet run on a GPU since the trial's masks became a hash.)
 
 All graphs share one memory pool: they never run at once, and what outlives a replay
 (the task losses, the gradients, the static inputs) is kept alive or allocated outside.
@@ -55,60 +55,11 @@ def batch_shapes(batch: dict[str, torch.Tensor]) -> tuple:
     return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
 
 
-class GraphRngReplay:
-    """:class:`mtbert.core.trial_streams.StreamReplay` inside a capture: each replaying
-    forward of a captured step runs under its own state of the trial's generator,
-    registered with the graph and set to the generator's seed and offset before each
-    replay (``sync``)."""
-
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
-        self.generators = [generator]
-        self._queue: list[torch.Generator] = []
-
-    def states_for(self, graph: torch.cuda.CUDAGraph, count: int) -> list[torch.Generator]:
-        """``count`` new states registered with ``graph``, used in order by the replaying
-        forwards of the next capture."""
-        graph.register_generator_state(self.generator)
-        states = [self.generator.clone_state() for _ in range(count)]
-        for state in states:
-            graph.register_generator_state(state)
-        self._queue = list(states)
-        return states
-
-    def sync(self, states: list[torch.Generator]) -> None:
-        """Before a replay: the states start where the default generator stands now."""
-        seed, offset = self.generator.initial_seed(), self.generator.get_offset()
-        for state in states:
-            state.manual_seed(seed)
-            state.set_offset(offset)
-
-    def remember(self):
-        return "clean forward"  # its offsets are the graph's first: nothing to save
-
-    @staticmethod
-    def release(remembered) -> None:
-        pass  # nothing kept
-
-    @contextlib.contextmanager
-    def replay(self, remembered):
-        if not torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("GraphRngReplay replays only inside a capture")
-        state = self._queue.pop(0)
-        current = self.generator.graphsafe_get_state()
-        self.generator.graphsafe_set_state(state)
-        try:
-            yield
-        finally:
-            self.generator.graphsafe_set_state(current)
-
-
 @dataclass
 class TaskGraph:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     loss: torch.Tensor
-    rng_states: list[torch.Generator]
 
 
 @dataclass
@@ -153,8 +104,8 @@ class StepGraphs:
         else:
             self.stream = torch.cuda.Stream(self.device) if self.cuda else None
             self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-            # the regulariser's during a capture
-            self.rng = GraphRngReplay(trainer.generator) if self.cuda else None
+            #: the generator the task graphs register (the trial's stream)
+            self.generator = trainer.generator if self.cuda else None
             self.task_graphs: dict[tuple, TaskGraph] = {}
             self.reach: dict[str, set[int]] = {}
             self.static_grads = False
@@ -172,12 +123,12 @@ class StepGraphs:
         self.last_batch: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def _adopt(self, kept: "StepGraphs") -> None:
-        """The kept task graphs with their stream, memory pool, generator states and the
+        """The kept task graphs with their stream, memory pool, generator and the
         parameters each task's loss reaches; the static gradients zeroed (a stop between a
         task graph and the update may have left a sum in them)."""
-        self.stream, self.pool, self.rng = kept.stream, kept.pool, kept.rng
-        if self.rng is not None:  # the graphs draw from the generator they registered:
-            self._draw_on(self.rng.generator)  # it takes this trial's stream
+        self.stream, self.pool, self.generator = kept.stream, kept.pool, kept.generator
+        if self.generator is not None:  # the graphs draw from the generator they registered:
+            self._draw_on(self.generator)  # it takes this trial's stream
         self.task_graphs, self.reach = kept.task_graphs, kept.reach
         self.static_grads = kept.static_grads
         if self.static_grads:
@@ -192,11 +143,10 @@ class StepGraphs:
 
     def _draw_on(self, generator: torch.Generator) -> None:
         """The trainer's stream goes on in ``generator`` (its state taken in), which its
-        dropouts and regulariser then draw from."""
+        masks' seeds and its regulariser then draw from."""
         t = self.t
         generator.set_state(t.generator.get_state())
         t.generator = generator
-        t.dropouts.generators[:] = [generator]
         if t.regulariser is not None:
             t.regulariser.draw_from(generator)
 
@@ -221,6 +171,7 @@ class StepGraphs:
         (device tensors of their own)."""
         with self._side_stream():
             losses, ready = {}, []
+            self.t.mask_stream.draw({0: self.t.generator})  # read by the task graphs
             for task, batch in batches.items():
                 key = (task, batch_shapes(batch))
                 self.stats.shapes.add(key)
@@ -272,8 +223,6 @@ class StepGraphs:
     def _replay_task(self, graph: TaskGraph, batch: dict[str, torch.Tensor]) -> None:
         for key, value in batch.items():
             graph.inputs[key].copy_(value.pin_memory(), non_blocking=True)
-        if graph.rng_states:
-            self.rng.sync(graph.rng_states)
         graph.graph.replay()
 
     def _eager_task(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -286,6 +235,7 @@ class StepGraphs:
     def _task_loss(self, task: str, batch: dict[str, torch.Tensor],
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the task loss as the trainer logs it, the weighted loss to differentiate)."""
+        self.t.mask_stream.start(task)
         loss, weighted = task_loss_terms(self.t, task, batch, cast_cache=False)
         return loss.detach().float(), weighted
 
@@ -366,12 +316,12 @@ class StepGraphs:
             task = key[0]
             inputs = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device)
                       for k, v in self.last_batch.pop(key).items()}
-            states = self.rng.states_for(graph, self._replays(task))
-            with self._graph_rng(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
-                                                     capture_error_mode="thread_local"):
+            graph.register_generator_state(self.generator)
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
                 loss, weighted = self._task_loss(task, inputs)
                 weighted.backward()
-            self.task_graphs[key] = TaskGraph(graph, inputs, loss, states)
+            self.task_graphs[key] = TaskGraph(graph, inputs, loss)
             self.stats.task_graphs_captured += 1
             what = f"{task} {[tuple(s) for k, s, _ in key[1] if k.startswith('input_ids')]}"
         seconds = time.perf_counter() - started
@@ -379,27 +329,6 @@ class StepGraphs:
         self.stats.capture_s += seconds
         self.log(f"[mtbert] step graph {self.stats.captured}: {what} captured in {seconds:.2f} s "
                  f"(after {self.warmup_steps} eager steps)")
-
-    @contextlib.contextmanager
-    def _graph_rng(self):
-        """The regulariser replays dropout masks with :class:`GraphRngReplay` meanwhile."""
-        r = self.t.regulariser
-        if r is None:
-            yield
-            return
-        eager, r.rng = r.rng, self.rng
-        try:
-            yield
-        finally:
-            r.rng = eager
-
-    def _replays(self, task: str) -> int:
-        """Forwards of one SMART term that replay the clean forward's dropout masks."""
-        r = self.t.regulariser
-        if r is None:
-            return 0
-        s = r.settings
-        return (s.steps + 1 if s.lambdas[task] > 0 else 0) + (1 if s.mu > 0 else 0)
 
 
 def graphs_wanted(cfg, device: torch.device) -> bool:

@@ -18,8 +18,9 @@ Sentence vectors are pooled as the model pools (``MultitaskModel._hidden`` /
 seen, in batches of ``pretrain_batch_size``, with AdamW at constant ``pretrain_lr``
 (no weight decay) and gradient clipping at norm 1. Data order comes from
 ``numpy.random.default_rng([seed, stage])`` and dropout from a torch generator seeded
-with ``seed`` inside ``torch.random.fork_rng``, so the stage leaves torch's global RNG
-untouched: a run that loads the stage from the cache continues exactly like the run
+with ``seed`` inside ``torch.random.fork_rng`` (a trial's model, whose masks are a hash of
+its mask stream's seed: that seed drawn from it each step), so the stage leaves torch's
+global RNG untouched: a run that loads the stage from the cache continues exactly like the run
 that computed it.
 
 Cache. The trained modules' states are stored in
@@ -55,7 +56,7 @@ from mtbert.core.atomic import atomic_write
 from mtbert.core.config import TrainConfig, default_cache_dir
 from mtbert.core.devices import uses_bf16
 from mtbert.data import MultitaskData, collate, encoding_for, pad_rows
-from mtbert.model.dropout_rate import RateDropout
+from mtbert.model.dropout_rate import RateDropout, mask_stream_of
 from mtbert.techniques.losses import task_loss
 from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.core.tasks import TASK_NAMES
@@ -194,9 +195,9 @@ def cache_key(cfg: TrainConfig, data: MultitaskData, modules: dict[str, nn.Modul
         "device": torch.device(device).type,
         "bf16": uses_bf16(cfg.precision, torch.device(device)),
     }
-    if any(isinstance(m, RateDropout) and m.number is None
+    if any(isinstance(m, RateDropout) and m.held.masks is not None
            for module in modules.values() for m in module.modules()):
-        fields["dropout_kernel"] = "rate_tensor"  # (CUDA) other masks than nn.Dropout's
+        fields["dropout_kernel"] = "hashed"  # a trial's masks (trial_streams)
     if stage in ("simcse", "simcse_sup"):
         fields["simcse_temp"] = cfg.simcse_temp
     if stage == "qqp":
@@ -288,11 +289,16 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
     was_training = model.training
     last_log = time.perf_counter()
     seen = 0
+    masks = mask_stream_of(model)  # a trial's model: its masks' seed drawn each step
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed)
         model.train()
         try:
             for idx in stream:
+                if masks is not None:
+                    masks.draw({0: torch.default_generator if device.type == "cpu"
+                                else torch.cuda.default_generators[device.index or 0]})
+                    masks.start("sst")
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss = step_loss(idx)
                 update.clear()

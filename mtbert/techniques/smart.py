@@ -20,15 +20,13 @@ For task ``t`` the trainer adds to the task loss
   logits) and QQP (the Bernoulli σ(logit)); squared error for the STS score.
 
 Dropout.  ``f(·; θ)`` in R_s and D_Breg is one function: the perturbed, the ascent
-and the teacher forwards replay the dropout masks of the trainer's clean forward
-(the trial generators' states before it, restored around each of these forwards by
-:class:`mtbert.core.trial_streams.StreamReplay`, which hands a solo trial's masks back from
-its tape without drawing them again), so R_s is exactly 0 for δ = 0 and D_Breg
-exactly 0 for θ̃ = θ even in train mode, and the ascent direction is not swamped by
-dropout noise.  The trial's stream then continues as if those forwards had not drawn;
-the initial noise ν is drawn from it (:func:`draw_noise`, in the trial's own batch shape,
-alone or stacked: alone after its clean forward, stacked when the step begins, as the
-stacked masks come from the group's stream).
+and the teacher forwards replay the dropout masks of the trainer's clean forward (the
+place of its first mask, remembered before it and set back around each of these forwards:
+:meth:`mtbert.core.trial_streams.MaskStream.replay`), so R_s is exactly 0 for δ = 0 and
+D_Breg exactly 0 for θ̃ = θ even in train mode, and the ascent direction is not swamped
+by dropout noise.  The initial noise ν is drawn from the trial's stream (:func:`draw_noise`,
+in the trial's own batch shape, alone or stacked: alone after its clean forward, stacked
+when the step begins; either way after its masks' seed and before PCGrad's orders).
 
 One trial and N.  The ascent (:func:`ascend`), its start (:func:`start_perturbation`), the
 divergences and the teacher's EMA (:func:`teacher_ema_`) are written once, for one
@@ -61,7 +59,7 @@ from mtbert.data import ROW_WEIGHTS, encoding_for
 from mtbert.techniques.losses import _wide, loss_and_output, weighted_mean
 from mtbert.model.model import TaskOutput
 from mtbert.core.tasks import TASK_NAMES
-from mtbert.core.trial_streams import StreamReplay
+from mtbert.core.trial_streams import MaskStream
 
 _TINY = 1e-12
 
@@ -224,7 +222,7 @@ class _OneModel:
         ``tensors``, the teacher's), on the clean forward's dropout masks where ``rng``."""
         self.smart._busy = True  # not a clean forward: the pre-hook remembers nothing
         try:
-            with self.smart.rng.replay(rng) if rng is not None else contextlib.nullcontext():
+            with self.smart.replay(rng):
                 out = (self.model(task, batch, embeds=embeds) if tensors is None else
                        functional_call(self.model, tensors, (task, batch), {"embeds": embeds}))
         finally:
@@ -250,7 +248,7 @@ class _Stacked:
         return self.smart.drawn_noise(task, key, x)
 
     def compared(self, task, batch, rng, embeds=None, tensors=None) -> torch.Tensor:
-        with self.smart.rng.replay(rng):
+        with self.smart.replay(rng):
             return self.fused.map(lambda model, b, e: smart_output(task, model(task, b, e or None)),
                                   batch, embeds or {}, tensors=tensors)
 
@@ -292,11 +290,12 @@ class SmartRegulariser:
         self.values: dict[str, float | torch.Tensor] = self.settings.values()
         self.step_size: float | torch.Tensor = self.settings.step_size
         self._busy = False
-        self._seen: tuple | None = None  # (task, batch, stream states before that forward)
-        #: the trial's stream, its states replayed (the trainer's step graphs swap in
-        #: GraphRngReplay during a capture); set by the trial (:meth:`draw_from`); a
-        #: regulariser of no trial (a bare model's) draws on torch's default generator
-        self.rng = StreamReplay([torch.default_generator])
+        self._seen: tuple | None = None  # (task, batch, the place of that forward's masks)
+        #: the trial's stream (ν) and dropout masks (replayed), set by the trial
+        #: (:meth:`draw_from`); a regulariser of no trial (a bare model's) draws ν on
+        #: torch's default generator and replays no masks
+        self.generator: torch.Generator = torch.default_generator
+        self.masks: MaskStream | None = None
         self._hook = model.register_forward_pre_hook(self._remember_rng, with_kwargs=True)
 
     @classmethod
@@ -308,7 +307,7 @@ class SmartRegulariser:
         teachers become views of the stacked teacher's slices (their checkpoints').  Each
         trial's ν is drawn from its own stream (``generators``, by slot) when the step
         begins (:meth:`draw_noise`); the forwards replay the clean forward's dropout masks
-        on the fused model's streams."""
+        (the fused model's mask stream)."""
         self = cls.__new__(cls)
         settings = [r.settings for r in regularisers]
         device = next(iter(fused.params.values())).device
@@ -336,7 +335,7 @@ class SmartRegulariser:
         table = skeleton.encoder.get_input_embeddings().weight
         name = next(k for k, p in skeleton.named_parameters() if p is table)
         self.embedding = fused.params[name]  # [N, vocab, hidden]: the noise's dtype and width
-        self.rng = StreamReplay(fused.generators)  # the streams the masks are drawn from
+        self.masks = fused.masks  # the trials' dropout masks, replayed
         self._busy, self._seen = False, None
         #: this step's ν: task -> its input's place (0, or 1 for ``b``) -> ``[N, rows,
         #: tokens, hidden]`` in the stacked batch's shape (:meth:`draw_noise`)
@@ -373,12 +372,15 @@ class SmartRegulariser:
         self._seen = None
 
     # -------------------------------------------------------------- the stream
-    def draw_from(self, generator: torch.Generator) -> None:
-        """Draw ν and replay dropout masks on ``generator`` (the trial's stream)."""
-        self.rng = StreamReplay([generator])
+    def draw_from(self, generator: torch.Generator, masks: MaskStream | None = None) -> None:
+        """Draw ν from ``generator`` (the trial's stream) and replay ``masks`` (its dropout
+        masks; None: keep those set)."""
+        self.generator = generator
+        if masks is not None:
+            self.masks = masks
 
     def _remember_rng(self, module, args, kwargs):
-        """Remember the stream's state before each training forward of the model (the
+        """Remember the place of the masks before each training forward of the model (the
         trainer's clean forward) so the regulariser's forwards can replay its masks."""
         if self._busy or not module.training or not torch.is_grad_enabled():
             return None
@@ -387,8 +389,15 @@ class SmartRegulariser:
         if not self._has_term(task):
             return None  # nothing to replay
         if isinstance(batch, dict) and batch:
-            self._seen = (task, batch, self.rng.remember())
+            self._seen = (task, batch, None if self.masks is None else self.masks.remember())
         return None
+
+    def replay(self, remembered):
+        """The block's forwards draw the masks of the forward ``remembered`` (None: their
+        own)."""
+        if remembered is None or self.masks is None:
+            return contextlib.nullcontext()
+        return self.masks.replay(remembered)
 
     def _has_term(self, task: str) -> bool:
         """Whether ``task`` gets a term: smoothness (λ on) or Bregman (a teacher)."""
@@ -398,14 +407,12 @@ class SmartRegulariser:
         seen, self._seen = self._seen, None
         if seen is not None and seen[0] == task and seen[1] is batch:
             return seen[2]
-        if seen is not None:
-            self.rng.release(seen[2])
         return None  # clean forward not observed: our forwards draw fresh dropout masks
 
     def initial_noise(self, x: torch.Tensor) -> torch.Tensor:
         """One trial's ν ~ N(0, σ² I) shaped like the embeddings ``x``, from its stream (as
         :func:`draw_noise` draws it; a bare regulariser's: torch's default generator)."""
-        generator = self.rng.generators[0]
+        generator = self.generator
         if generator.device != x.device:  # a bare regulariser's model on CUDA
             return torch.randn_like(x) * self.settings.noise_std
         return torch.randn(x.shape, dtype=x.dtype, device=x.device,
@@ -483,29 +490,23 @@ class SmartRegulariser:
         compared = smart_output(task, clean)
         total = compared.new_zeros((), dtype=torch.float32)
         rng = self._replay_state(task, batch)
-        try:
-            if not self._has_term(task):
-                return total
-            return self._term(_OneModel(self, model), task, batch, compared, rng, total)
-        finally:
-            self.rng.release(rng)  # the clean forward's kept masks
+        if not self._has_term(task):
+            return total
+        return self._term(_OneModel(self, model), task, batch, compared, rng, total)
 
     def task_losses(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """N stacked trials' ``[N]``: L_t + λ_t·R_s + μ·D_Breg of each on its slice of
         ``batch``, its L_t :func:`~mtbert.techniques.losses.loss_and_output`'s as
         :func:`~mtbert.techniques.losses.batch_loss` takes it."""
-        remembered = self.rng.remember()
+        remembered = self.masks.remember() if self.masks is not None else None
 
         def loss_and_compared(model, b):
             loss, out = loss_and_output(model, task, b, self.cfg)
             return loss, smart_output(task, out)
 
-        try:
-            losses, compared = self.fused.map(loss_and_compared, batch)
-            return losses + self._term(_Stacked(self, self.fused), task, batch, compared,
-                                       remembered, torch.zeros_like(losses))
-        finally:
-            self.rng.release(remembered)
+        losses, compared = self.fused.map(loss_and_compared, batch)
+        return losses + self._term(_Stacked(self, self.fused), task, batch, compared,
+                                   remembered, torch.zeros_like(losses))
 
     def _term(self, forwards, task, batch, compared, rng, total) -> torch.Tensor:
         if self.lambda_on[task]:
