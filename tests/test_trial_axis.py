@@ -119,3 +119,7 @@ def test_a_mask_inside_a_folded_function_is_the_vmapped_mask(seeds):
     folded, vmapped = drawn(True), drawn(False)
     assert torch.equal(folded, vmapped)
     assert len({tuple(folded[n].flatten().tolist()) for n in range(N)}) == len(set(seeds))
+    for n, seed in enumerate(seeds):  # each trial's rows: its mask alone, from its seed
+        alone = MaskStream(1, torch.device("cpu"))
+        alone.draw({0: torch.Generator().manual_seed(seed)})
+        assert torch.equal(folded[n], keep_mask(x[0], threshold, alone))

@@ -102,8 +102,10 @@ class MaskStream:
 
     def draw(self, generators: Mapping[int, torch.Generator]) -> None:
         """The step begins: each slot ``n`` given draws its seed from ``generators[n]``
-        (its trial's stream; the slots not given keep theirs: trials not stepping)."""
+        (its trial's stream; the slots not given keep theirs: trials not stepping); the
+        place goes back to the first task's first draw."""
         self._tape = None
+        self.task, self.site = 0, 0
         for n, generator in generators.items():
             self._slots[n].random_(0, 2**31, generator=generator)
 

@@ -12,7 +12,7 @@ trial its own 0-d slice.  Written once for both.
 Inverted dropout as ``nn.Dropout`` computes it: each element kept with probability
 1 − p and scaled by 1/(1 − p), so E[out] = x.  The keep mask is the trial's
 (:class:`mtbert.core.trial_streams.MaskStream`: a hash of its step seed, the draw's place
-and the element's index against the threshold of p), the same alone and stacked with
+and the element's coordinates against the threshold of p), the same alone and stacked with
 other trials, in the same ops on the CPU and on CUDA, eager or in a captured graph.  On
 the CPU (``number``: a trial's rate, known when the module is built) the threshold and
 scale are numbers; otherwise they are read from the rate's tensors (``threshold``, ``[N]``

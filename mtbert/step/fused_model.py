@@ -25,9 +25,10 @@ and loss weights in :mod:`mtbert.loop.training_group`, :mod:`mtbert.techniques.t
 :meth:`FusedModel.map`).
 
 Dropout masks: each trial's own (:class:`mtbert.core.trial_streams.MaskStream`: its step
-seed hashed with the draw's place and each element's index), one hash over the stacked
-tensor with each trial's seed broadcast, so ops do not grow with N and a trial's masks are
-its solo run's where its batch has the group's shape (``tests/test_trial_streams.py``).
+seed hashed with the draw's place and each element's coordinates), one hash over the
+stacked tensor with each trial's seed broadcast, so ops do not grow with N and a trial's
+masks are its solo run's, its batch padded to the group's shapes or not
+(``tests/test_trial_streams.py``, ``tests/test_fused.py``).
 
 Batches: the trials' batches of a task are padded to one shape (the longest row and the
 most rows across trials; filler rows hold one attended pad token and weigh 0 in the loss,

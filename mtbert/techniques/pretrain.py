@@ -56,7 +56,7 @@ from mtbert.core.atomic import atomic_write
 from mtbert.core.config import TrainConfig, default_cache_dir
 from mtbert.core.devices import uses_bf16
 from mtbert.data import MultitaskData, collate, encoding_for, pad_rows
-from mtbert.model.dropout_rate import RateDropout, mask_stream_of
+from mtbert.model.dropout_rate import mask_stream_of
 from mtbert.techniques.losses import task_loss
 from mtbert.techniques.trial_update import TrialUpdate
 from mtbert.core.tasks import TASK_NAMES
@@ -195,8 +195,7 @@ def cache_key(cfg: TrainConfig, data: MultitaskData, modules: dict[str, nn.Modul
         "device": torch.device(device).type,
         "bf16": uses_bf16(cfg.precision, torch.device(device)),
     }
-    if any(isinstance(m, RateDropout) and m.held.masks is not None
-           for module in modules.values() for m in module.modules()):
+    if any(mask_stream_of(module) is not None for module in modules.values()):
         fields["dropout_kernel"] = "hashed"  # a trial's masks (trial_streams)
     if stage in ("simcse", "simcse_sup"):
         fields["simcse_temp"] = cfg.simcse_temp
@@ -298,7 +297,6 @@ def _train_stage(cfg: TrainConfig, data: MultitaskData, model: nn.Module,
                 if masks is not None:
                     masks.draw({0: torch.default_generator if device.type == "cpu"
                                 else torch.cuda.default_generators[device.index or 0]})
-                    masks.start("sst")
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss = step_loss(idx)
                 update.clear()

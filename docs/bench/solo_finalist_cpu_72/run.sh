@@ -8,12 +8,12 @@
 # float32 everywhere. 6d4724d's bench has an HF Trainer reference, skipped.
 #   usage: run.sh 6D4724D_TREE BBCFD32_TREE 75F8FD4_TREE ROUND
 SET="--set smart_lambda_sst=1 --set smart_lambda_qqp=5 --set smart_lambda_sts=1 --set smart_eps=1.15e-5 --set smart_mu=0.5 --set lr=1.86e-4 --set dropout=0.074 --set max_train_per_task=1000 --set lr_schedule=wsd"
-out=$(pwd)/docs/bench/solo_finalist_cpu_72
+folder=$(pwd)/docs/bench/solo_finalist_cpu_72
 for pair in "6d4724d:$1" "bbcfd32:$2" "75f8fd4:$3"; do
   name=${pair%%:*}; tree=${pair#*:}; extra=""
   [ "$name" = 6d4724d ] && extra=--skip-hf
   [ "$name" != 6d4724d ] && [ "$4" = fp32 ] && extra="--set precision=fp32"
   (cd "$tree" && PYTHONPATH=$tree /usr/bin/time -f "%e s wall %U u %S s" python -m bench.throughput \
      --threads 1 --steps 96 --warmup 3 --batch-size 32 --eval-rows 300 $SET $extra \
-     --json "$out/${name}_$4.json" > "$out/${name}_$4.log" 2>&1)
+     --json "$folder/${name}_$4.json" > "$folder/${name}_$4.log" 2>&1)
 done
